@@ -1,0 +1,667 @@
+"""The two-level KV block index (in-memory backend).
+
+Level 1: request key -> the pods holding that block, per pod the DP ranks and
+the tiers (bit mask, see :mod:`kvindex.tiers`) each rank holds it in.
+Level 2: engine key (the engine's block hash from KV events) -> request key
+(ours, from tokens; see :mod:`kvindex.keys`).  A reverse map per (pod, DP rank)
+engine key -> request key makes clearing a pod cost O(that pod's keys).
+
+Write path (called by the kvevents pool, one writer per pod at a time):
+:meth:`KVBlockIndex.block_stored`, :meth:`KVBlockIndex.block_removed`,
+:meth:`KVBlockIndex.clear`, :meth:`KVBlockIndex.add_speculative`.
+Read path (any thread): :meth:`KVBlockIndex.prefix_match`,
+:meth:`KVBlockIndex.lookup`.
+
+The event semantics mirror vllm/distributed/kv_events.py (vLLM 0.32):
+
+- BlockStored with token ids: the request keys of the stored blocks are
+  chained from the request key of ``parent_block_hash`` (the engine hash of the
+  block before the first one; None at a sequence start).  When the parent's
+  engine key is unknown (its event was lost, or it was stored before we
+  subscribed) the blocks wait in a bounded orphan table keyed by that parent
+  and are attached when the parent arrives (a later event or a replay).
+- BlockStored without token ids (an offloading connector announcing a copy in
+  another medium): adds that tier to blocks already known by engine key.
+- BlockRemoved: removes one tier of the pod's (DP rank's) copy; the entry goes
+  when no tier is left.
+- AllBlocksCleared / engine restart / pod removal: :meth:`KVBlockIndex.clear`.
+
+In engine-compatible mode (``token_processor.engine_compatible``) request keys
+*are* engine keys: no chaining, no orphans, no level-2 lookups.
+
+Thread safety: every public method holds one re-entrant lock; the read path
+also refreshes recency (least-recently-used eviction counts reads as use).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import NamedTuple
+
+import msgspec
+from sortedcontainers import SortedList
+
+from kvindex.keys import TokenProcessor
+from kvindex.tiers import GPU, tier_bit, tier_names
+
+__all__ = ["PodEntry", "IndexStats", "KVBlockIndex"]
+
+_GPU_BIT = tier_bit(GPU)
+
+
+class PodEntry(NamedTuple):
+    """One holder of a block: ``pod`` holds it in ``tier`` on DP rank ``dp_rank``.
+
+    ``speculative`` is True for an entry added by
+    :meth:`KVBlockIndex.add_speculative` and not yet confirmed by a
+    BlockStored (it reports tier ``gpu``).
+    """
+
+    pod: str
+    tier: str
+    dp_rank: int
+    speculative: bool = False
+
+
+class IndexStats(msgspec.Struct, frozen=True):
+    """Counters and sizes of a :class:`KVBlockIndex` (a snapshot).
+
+    keys: request keys held (level 1); entries: (request key, pod, DP rank)
+    entries; engine_keys: level-2 engine keys; pods: pods holding >= 1 block;
+    evictions: request keys dropped by the capacity bound; stored_blocks /
+    removed_blocks: tier copies added / removed by events; unknown_removals:
+    BlockRemoved for an engine key the pod was not known to hold;
+    unknown_offloads: token-less BlockStored for an unknown engine key;
+    orphan_blocks: blocks waiting for their parent now; orphans: blocks that
+    ever waited; orphans_attached / orphans_dropped: of those, attached later /
+    dropped by the orphan bound or a clear; speculative: live speculative
+    entries; speculative_confirmed / speculative_expired: their fates;
+    clears: clear() calls that removed something.
+    """
+
+    keys: int
+    entries: int
+    engine_keys: int
+    pods: int
+    evictions: int
+    stored_blocks: int
+    removed_blocks: int
+    unknown_removals: int
+    unknown_offloads: int
+    orphan_blocks: int
+    orphans: int
+    orphans_attached: int
+    orphans_dropped: int
+    speculative: int
+    speculative_confirmed: int
+    speculative_expired: int
+    clears: int
+
+
+class _PodBlock:
+    """A pod's copy of one block: per DP rank [tier mask, engine key]; mask = OR."""
+
+    __slots__ = ("mask", "ranks")
+
+    def __init__(self) -> None:
+        self.mask = 0
+        self.ranks: dict[int, list[int]] = {}
+
+    def refresh(self) -> None:
+        m = 0
+        for r in self.ranks.values():
+            m |= r[0]
+        self.mask = m
+
+
+class _Orphan(NamedTuple):
+    pod: str
+    dp_rank: int
+    engine_keys: tuple[int, ...]
+    token_ids: Sequence[int]
+    tier: int
+    extra_keys: tuple | None
+    lora_name: str | None
+    model: str | None
+
+
+_Stream = tuple[str, int]
+
+
+class KVBlockIndex:
+    """In-memory two-level index of which pod holds which KV block.
+
+    Args:
+        token_processor: turns token ids into request keys; its block size is
+            the block size the index expects in events.  Defaults to
+            ``TokenProcessor()`` (block size 16, ``xxh3_chain``).
+        capacity: bound on request keys held; beyond it the least recently
+            used key (stored or matched) is evicted and counted.  >= 1.
+        max_orphan_blocks: bound on blocks waiting for an unknown parent; the
+            oldest waiting group is dropped (counted) beyond it.  >= 0.
+        clock: monotonic seconds, for speculative-entry expiry.
+
+    Raises:
+        ValueError: capacity < 1 or max_orphan_blocks < 0.
+    """
+
+    def __init__(
+        self,
+        token_processor: TokenProcessor | None = None,
+        *,
+        capacity: int = 1_000_000,
+        max_orphan_blocks: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_orphan_blocks < 0:
+            raise ValueError(f"max_orphan_blocks must be >= 0, got {max_orphan_blocks}")
+        self.token_processor = token_processor or TokenProcessor()
+        self.block_size = self.token_processor.block_size
+        self.capacity = capacity
+        self.max_orphan_blocks = max_orphan_blocks
+        self._compat = bool(self.token_processor.engine_compatible)
+        self._clock = clock
+        self._lock = threading.RLock()
+        # level 1: request key -> pod -> _PodBlock
+        self._blocks: OrderedDict[int, dict[str, _PodBlock]] = OrderedDict()
+        # level 2: engine key -> [request key, number of (pod, rank) holders]
+        self._engine: dict[int, list[int]] = {}
+        # reverse: (pod, rank) -> engine key -> request key
+        self._streams: dict[_Stream, dict[int, int]] = {}
+        # orphans: unknown parent engine key -> waiting stores
+        self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
+        self._orphan_blocks = 0
+        # speculative: request key -> pod -> expiry; expiry order
+        self._spec: dict[int, dict[str, float]] = {}
+        self._spec_order: SortedList = SortedList()
+        self._spec_by_pod: dict[str, set[int]] = {}
+        self._c = dict.fromkeys(
+            (
+                "evictions",
+                "stored_blocks",
+                "removed_blocks",
+                "unknown_removals",
+                "unknown_offloads",
+                "orphans",
+                "orphans_attached",
+                "orphans_dropped",
+                "speculative_confirmed",
+                "speculative_expired",
+                "clears",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ write
+
+    def block_stored(
+        self,
+        pod: str,
+        dp_rank: int,
+        engine_keys: Sequence[int],
+        parent_engine_key: int | None,
+        token_ids: Sequence[int] | None,
+        tier: str,
+        *,
+        block_size: int | None = None,
+        extra_keys: Sequence[Sequence | None] | None = None,
+        lora_name: str | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Apply one BlockStored event; returns the number of blocks attached now.
+
+        Mirrors vllm/distributed/kv_events.py BlockStored (vLLM 0.32).
+
+        Args:
+            pod, dp_rank: the publisher (pod id from the topic; rank from the batch).
+            engine_keys: the event's block hashes as uint64, one per block.
+            parent_engine_key: uint64 hash of the block before the first one,
+                None at a sequence start.
+            token_ids: ``block_size * len(engine_keys)`` token ids, or empty /
+                None for a token-less store (adds ``tier`` to known blocks).
+            tier: tier name of the copy (``gpu``, ``cpu``, ...).
+            block_size: the event's block size; must equal the token
+                processor's when token ids are given.
+            extra_keys: per block, the untagged extra keys the event carries
+                (LoRA name first when ``lora_name`` is set; it is stripped
+                here because the LoRA name scopes the chain root instead).
+            lora_name: LoRA adapter name, scopes the keys.
+            model: model name (from the topic), scopes the keys.
+
+        Returns:
+            Blocks attached by this call (including orphans it released);
+            0 when the blocks wait for an unknown parent.
+
+        Raises:
+            ValueError: block size mismatch or token count not
+                ``block_size * len(engine_keys)``.
+        """
+        bit = tier_bit(tier)
+        with self._lock:
+            if not token_ids:
+                return self._store_tokenless(pod, dp_rank, engine_keys, bit)
+            if block_size is not None and block_size != self.block_size:
+                raise ValueError(
+                    f"event block_size {block_size} != index block_size {self.block_size}"
+                )
+            if len(token_ids) != self.block_size * len(engine_keys):
+                raise ValueError(
+                    f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}"
+                )
+            extras = _strip_lora(extra_keys, lora_name, len(engine_keys))
+            if self._compat:
+                for ek in engine_keys:
+                    self._put(pod, dp_rank, ek, ek, bit)
+                return len(engine_keys)
+            item = _Orphan(pod, dp_rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model)
+            if parent_engine_key is None:
+                return self._attach(item, None)
+            parent_rk = self._resolve(pod, dp_rank, parent_engine_key)
+            if parent_rk is None:
+                self._add_orphan(parent_engine_key, item)
+                return 0
+            return self._attach(item, parent_rk)
+
+    def block_removed(self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str) -> int:
+        """Apply one BlockRemoved: drop ``tier`` from the pod's (rank's) copies.
+
+        Mirrors vllm/distributed/kv_events.py BlockRemoved (vLLM 0.32).
+        Unknown engine keys are counted (``unknown_removals``) and skipped.
+        Returns the number of tier copies removed.
+        """
+        bit = tier_bit(tier)
+        removed = 0
+        with self._lock:
+            stream = self._streams.get((pod, dp_rank))
+            for ek in engine_keys:
+                rk = stream.get(ek) if stream is not None else None
+                if rk is None:
+                    self._c["unknown_removals"] += 1
+                    continue
+                if self._drop_copy(pod, dp_rank, ek, rk, bit):
+                    removed += 1
+                else:
+                    self._c["unknown_removals"] += 1
+            self._c["removed_blocks"] += removed
+        return removed
+
+    def clear(self, pod: str, dp_rank: int | None = None) -> int:
+        """Forget everything ``pod`` holds (only DP rank ``dp_rank`` if given).
+
+        Used for AllBlocksCleared, engine restart (sequence back to 0) and pod
+        removal.  Costs O(keys of that pod).  Also drops the pod's orphans and,
+        when ``dp_rank`` is None, its speculative entries.  Returns the number
+        of (request key, rank) entries removed.
+        """
+        n = 0
+        with self._lock:
+            streams = [s for s in self._streams if s[0] == pod and (dp_rank is None or s[1] == dp_rank)]
+            for stream in streams:
+                emap = self._streams.pop(stream)
+                for ek, rk in emap.items():
+                    self._unref_engine(ek)
+                    pods = self._blocks.get(rk)
+                    pb = pods.get(pod) if pods is not None else None
+                    if pb is None or pb.ranks.pop(stream[1], None) is None:
+                        continue
+                    n += 1
+                    if pb.ranks:
+                        pb.refresh()
+                    else:
+                        del pods[pod]
+                        if not pods:
+                            del self._blocks[rk]
+            self._drop_orphans_of(pod, dp_rank)
+            if dp_rank is None:
+                for rk in self._spec_by_pod.pop(pod, ()):
+                    holders = self._spec.get(rk)
+                    if holders is not None and holders.pop(pod, None) is not None:
+                        n += 1
+                        if not holders:
+                            del self._spec[rk]
+            if n:
+                self._c["clears"] += 1
+        return n
+
+    def add_speculative(
+        self, request_keys: Iterable[int], pod: str, ttl: float, dp_rank: int = 0
+    ) -> None:
+        """Count ``pod`` as holding ``request_keys`` (tier gpu) for ``ttl`` seconds.
+
+        For a router that has just sent a request to ``pod``: its blocks will
+        be stored there before the engine's events arrive.  An entry ends when
+        a BlockStored confirms it or when it expires (monotonic clock).
+        Keys the pod already holds for real are skipped.
+
+        Raises:
+            ValueError: ttl <= 0.
+        """
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        expiry = self._clock() + ttl
+        with self._lock:
+            self._expire(expiry - ttl)
+            mine = self._spec_by_pod.setdefault(pod, set())
+            for rk in request_keys:
+                rk = int(rk)
+                pods = self._blocks.get(rk)
+                if pods is not None and pod in pods:
+                    continue
+                holders = self._spec.setdefault(rk, {})
+                holders[pod] = expiry
+                mine.add(rk)
+                self._spec_order.add((expiry, rk, pod))
+
+    # ------------------------------------------------------------------- read
+
+    def prefix_match(
+        self, request_keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, list[int]]:
+        """Longest consecutive prefix each pod holds, as tier masks per block.
+
+        Args:
+            request_keys: the request's keys in block order (ints or a uint64
+                numpy array).
+            pods: candidate pods; None = every pod the index knows.
+
+        Returns:
+            pod -> list of tier bit masks (see :mod:`kvindex.tiers`), one per
+            block of that pod's prefix from block 0 (a pod holds a block when
+            any of its DP ranks does; speculative entries count as gpu).  Pods
+            matching no block are absent.  Stops once no candidate continues.
+        """
+        out: dict[str, list[int]] = {}
+        if len(request_keys) == 0:
+            return out
+        keys = request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys
+        with self._lock:
+            if self._spec_order:
+                self._expire(self._clock())
+            blocks = self._blocks
+            spec = self._spec
+            active: list[str] | None = None if pods is None else list(pods)
+            for rk in keys:
+                held = blocks.get(rk)
+                sp = spec.get(rk) if spec else None
+                if held is None and sp is None:
+                    break
+                if held is not None:
+                    blocks.move_to_end(rk)
+                if active is None:
+                    active = list(held or ()) + [p for p in (sp or ()) if not held or p not in held]
+                    for p in active:
+                        out[p] = []
+                still: list[str] = []
+                for p in active:
+                    pb = held.get(p) if held is not None else None
+                    if pb is not None:
+                        mask = pb.mask
+                    elif sp is not None and p in sp:
+                        mask = _GPU_BIT
+                    else:
+                        continue
+                    lst = out.get(p)
+                    if lst is None:
+                        lst = out[p] = []
+                    lst.append(mask)
+                    still.append(p)
+                if not still:
+                    break
+                active = still
+        return {p: m for p, m in out.items() if m}
+
+    def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
+        """Every holder of each key: one tuple of :class:`PodEntry` per key.
+
+        Entries are sorted (pod, tier, dp_rank); speculative entries last.
+        Does not refresh recency.
+        """
+        out: list[tuple[PodEntry, ...]] = []
+        with self._lock:
+            if self._spec_order:
+                self._expire(self._clock())
+            for rk in request_keys:
+                rk = int(rk)
+                entries: list[PodEntry] = []
+                for pod, pb in (self._blocks.get(rk) or {}).items():
+                    for rank, (mask, _ek) in pb.ranks.items():
+                        entries.extend(PodEntry(pod, t, rank) for t in tier_names(mask))
+                entries.sort()
+                spec = sorted(PodEntry(p, GPU, 0, True) for p in (self._spec.get(rk) or {}))
+                out.append(tuple(entries + spec))
+        return out
+
+    def request_key_of(self, engine_key: int) -> int | None:
+        """Level 2: the request key an engine key maps to (None if unknown)."""
+        if self._compat:
+            with self._lock:
+                return engine_key if any(engine_key in m for m in self._streams.values()) else None
+        with self._lock:
+            v = self._engine.get(engine_key)
+            return v[0] if v is not None else None
+
+    def pods(self) -> frozenset[str]:
+        """Pods holding at least one block (real or speculative)."""
+        with self._lock:
+            real = {s[0] for s, m in self._streams.items() if m}
+            return frozenset(real | {p for p, keys in self._spec_by_pod.items() if keys})
+
+    def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
+        """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
+        with self._lock:
+            out: set[int] = set()
+            for (p, r), emap in self._streams.items():
+                if p == pod and (dp_rank is None or r == dp_rank):
+                    out.update(emap.values())
+            return out
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def stats(self) -> IndexStats:
+        """A snapshot of sizes and counters (see :class:`IndexStats`)."""
+        with self._lock:
+            return IndexStats(
+                keys=len(self._blocks),
+                entries=sum(len(m) for m in self._streams.values()),
+                engine_keys=len(self._engine) if not self._compat else sum(len(m) for m in self._streams.values()),
+                pods=len({s[0] for s, m in self._streams.items() if m}),
+                orphan_blocks=self._orphan_blocks,
+                speculative=sum(len(h) for h in self._spec.values()),
+                **self._c,
+            )
+
+    # -------------------------------------------------------------- internals
+
+    def _resolve(self, pod: str, dp_rank: int, engine_key: int) -> int | None:
+        stream = self._streams.get((pod, dp_rank))
+        if stream is not None:
+            rk = stream.get(engine_key)
+            if rk is not None:
+                return rk
+        v = self._engine.get(engine_key)
+        return v[0] if v is not None else None
+
+    def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
+        """Store ``item`` under ``parent_rk``, then every orphan it releases."""
+        attached = 0
+        work: list[tuple[_Orphan, int | None]] = [(item, parent_rk)]
+        while work:
+            it, prk = work.pop()
+            rks = self.token_processor.chain(
+                prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys
+            )
+            for ek, rk in zip(it.engine_keys, rks.tolist()):
+                self._put(it.pod, it.dp_rank, ek, rk, it.tier)
+                attached += 1
+                waiting = self._orphans.pop(ek, None) if self._orphans else None
+                if waiting:
+                    for w in waiting:
+                        self._orphan_blocks -= len(w.engine_keys)
+                        self._c["orphans_attached"] += len(w.engine_keys)
+                        work.append((w, rk))
+        return attached
+
+    def _put(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int) -> None:
+        """Record that (pod, rank) holds request key ``rk`` as engine key ``ek`` in tier ``bit``."""
+        stream = self._streams.get((pod, dp_rank))
+        if stream is None:
+            stream = self._streams[(pod, dp_rank)] = {}
+        old_rk = stream.get(ek)
+        if old_rk is not None and old_rk != rk:
+            # the engine reused this hash for other content: forget the old mapping
+            self._drop_copy(pod, dp_rank, ek, old_rk, -1)
+        pods = self._blocks.get(rk)
+        if pods is None:
+            pods = self._blocks[rk] = {}
+            if len(self._blocks) > self.capacity:
+                self._evict_one()
+        else:
+            self._blocks.move_to_end(rk)
+        pb = pods.get(pod)
+        if pb is None:
+            pb = pods[pod] = _PodBlock()
+        entry = pb.ranks.get(dp_rank)
+        if entry is None:
+            pb.ranks[dp_rank] = [bit, ek]
+        else:
+            entry[0] |= bit
+            if entry[1] != ek:
+                if stream.get(entry[1]) == rk:
+                    del stream[entry[1]]
+                    self._unref_engine(entry[1])
+                entry[1] = ek
+        pb.mask |= bit
+        if stream.get(ek) != rk:
+            stream[ek] = rk
+            if not self._compat:
+                v = self._engine.get(ek)
+                if v is None:
+                    self._engine[ek] = [rk, 1]
+                else:
+                    v[0] = rk
+                    v[1] += 1
+        self._c["stored_blocks"] += 1
+        if self._spec:
+            holders = self._spec.get(rk)
+            if holders is not None and holders.pop(pod, None) is not None:
+                self._c["speculative_confirmed"] += 1
+                if not holders:
+                    del self._spec[rk]
+                mine = self._spec_by_pod.get(pod)
+                if mine is not None:
+                    mine.discard(rk)
+
+    def _store_tokenless(self, pod: str, dp_rank: int, engine_keys: Iterable[int], bit: int) -> int:
+        n = 0
+        for ek in engine_keys:
+            if self._compat:
+                rk: int | None = ek
+            else:
+                rk = self._resolve(pod, dp_rank, ek)
+            if rk is None:
+                self._c["unknown_offloads"] += 1
+                continue
+            self._put(pod, dp_rank, ek, rk, bit)
+            n += 1
+        return n
+
+    def _drop_copy(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int) -> bool:
+        """Clear ``bit`` (-1 = all) of (pod, rank)'s copy of ``rk``; True if it held that tier."""
+        pods = self._blocks.get(rk)
+        pb = pods.get(pod) if pods is not None else None
+        entry = pb.ranks.get(dp_rank) if pb is not None else None
+        if entry is None or not entry[0] & bit:
+            return False
+        entry[0] &= ~bit
+        if entry[0] == 0:
+            del pb.ranks[dp_rank]
+            stream = self._streams.get((pod, dp_rank))
+            if stream is not None and stream.get(ek) == rk:
+                del stream[ek]
+                self._unref_engine(ek)
+            if not pb.ranks:
+                del pods[pod]
+                if not pods:
+                    del self._blocks[rk]
+                return True
+        pb.refresh()
+        return True
+
+    def _unref_engine(self, ek: int) -> None:
+        if self._compat:
+            return
+        v = self._engine.get(ek)
+        if v is not None:
+            v[1] -= 1
+            if v[1] <= 0:
+                del self._engine[ek]
+
+    def _evict_one(self) -> None:
+        rk, pods = self._blocks.popitem(last=False)
+        for pod, pb in pods.items():
+            for rank, (_mask, ek) in pb.ranks.items():
+                stream = self._streams.get((pod, rank))
+                if stream is not None and stream.get(ek) == rk:
+                    del stream[ek]
+                    self._unref_engine(ek)
+        self._c["evictions"] += 1
+
+    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
+        n = len(item.engine_keys)
+        self._orphans.setdefault(parent_ek, []).append(item)
+        self._orphan_blocks += n
+        self._c["orphans"] += n
+        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
+            _k, group = self._orphans.popitem(last=False)
+            dropped = sum(len(g.engine_keys) for g in group)
+            self._orphan_blocks -= dropped
+            self._c["orphans_dropped"] += dropped
+
+    def _drop_orphans_of(self, pod: str, dp_rank: int | None) -> None:
+        for pk in list(self._orphans):
+            group = self._orphans[pk]
+            keep = [g for g in group if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank))]
+            dropped = sum(len(g.engine_keys) for g in group) - sum(len(g.engine_keys) for g in keep)
+            if dropped:
+                self._orphan_blocks -= dropped
+                self._c["orphans_dropped"] += dropped
+                if keep:
+                    self._orphans[pk] = keep
+                else:
+                    del self._orphans[pk]
+
+    def _expire(self, now: float) -> None:
+        order = self._spec_order
+        while order and order[0][0] <= now:
+            expiry, rk, pod = order.pop(0)
+            holders = self._spec.get(rk)
+            if holders is not None and holders.get(pod) == expiry:
+                del holders[pod]
+                if not holders:
+                    del self._spec[rk]
+                mine = self._spec_by_pod.get(pod)
+                if mine is not None:
+                    mine.discard(rk)
+                self._c["speculative_expired"] += 1
+
+
+def _strip_lora(
+    extra_keys: Sequence[Sequence | None] | None, lora_name: str | None, n_blocks: int
+) -> tuple | None:
+    """Per-block extras without the leading LoRA name vLLM puts first."""
+    if not extra_keys:
+        return None
+    if len(extra_keys) != n_blocks:
+        raise ValueError(f"{len(extra_keys)} extra_keys entries for {n_blocks} blocks")
+    out = []
+    for e in extra_keys:
+        if e and lora_name is not None and e[0] == lora_name:
+            e = e[1:]
+        out.append(tuple(e) if e else None)
+    return tuple(out) if any(x is not None for x in out) else None
