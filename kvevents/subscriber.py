@@ -1,0 +1,265 @@
+"""ZMQ subscriber: receives KV-event messages from engines and feeds the pool.
+
+Two modes, as vLLM's publisher supports both (vllm/distributed/kv_events.py,
+vLLM 0.32: an endpoint with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound
+by the engine, any other is connected to):
+
+- connect mode: one SUB socket per engine endpoint (:class:`EngineEndpoint`),
+  the engines bind.  On connecting to an engine with a replay endpoint the
+  pool is asked to replay from seq 0, so an index started after its engines
+  rebuilds what they still buffer.
+- bind mode: one SUB socket bound at ``bind``, engines configured with that
+  address dial in; the pod comes from each message's topic ``kv@<pod>@<model>``
+  and replay endpoints are looked up per pod in ``bind_replay``.
+
+With data parallelism each DP rank of an engine publishes on its own port
+(base port + rank, the same for the replay port): ``dp_size`` expands one
+endpoint into one subscription per rank.
+
+One thread owns every socket; it only moves frames into the pool (decoding
+happens in the pool's shards).  A message without exactly three frames is
+counted (``frames``) and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+
+from kvevents.pool import EventPool, RawMessage, Source
+
+__all__ = ["EngineEndpoint", "Subscriber", "offset_port"]
+
+log = logging.getLogger("kvevents.subscriber")
+
+
+class EngineEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One engine's KV-event publisher, as a router configures it.
+
+    endpoint: ZMQ address the engine publishes on, e.g. ``tcp://10.0.0.5:5557``.
+    pod: pod id; used when a topic carries none and for replay bootstrap.
+    replay_endpoint: the engine's replay ROUTER address, or None.
+    engine: ``vllm`` or ``sglang`` payload format.
+    dp_rank: rank of the first endpoint; dp_size: ranks published on
+        consecutive ports from ``endpoint`` / ``replay_endpoint``.
+    model: model name used when the topic carries none.
+    topic: ZMQ subscription prefix (empty: everything).
+    """
+
+    endpoint: str
+    pod: str
+    replay_endpoint: str | None = None
+    engine: str = "vllm"
+    dp_rank: int = 0
+    dp_size: int = 1
+    model: str | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+        if not self.pod:
+            raise ValueError("pod must be a non-empty string")
+
+    def ranks(self) -> list[tuple[int, str, str | None]]:
+        """(dp_rank, endpoint, replay endpoint) for each DP rank."""
+        return [
+            (
+                self.dp_rank + r,
+                offset_port(self.endpoint, r),
+                offset_port(self.replay_endpoint, r) if self.replay_endpoint else None,
+            )
+            for r in range(self.dp_size)
+        ]
+
+
+def offset_port(endpoint: str, offset: int) -> str:
+    """``tcp://host:port`` with ``offset`` added to the port (vLLM's per-DP-rank ports).
+
+    Raises ValueError when offset != 0 and the endpoint has no numeric port.
+    """
+    if offset == 0:
+        return endpoint
+    parts = urlsplit(endpoint)
+    if parts.port is None:
+        raise ValueError(f"cannot offset the port of {endpoint!r}")
+    host = parts.hostname or "*"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}:{parts.port + offset}"
+
+
+class Subscriber:
+    """Receives engine KV events over ZMQ and submits them to an :class:`EventPool`.
+
+    Args:
+        pool: where messages go (must be started before the subscriber).
+        engines: connect-mode endpoints.
+        bind: bind-mode address (e.g. ``tcp://*:5557``), or None.
+        bind_replay: bind mode: pod -> replay endpoint of its DP rank 0 (rank r
+            uses port + r).
+        bind_engine: payload format of the engines dialling into ``bind``.
+        context: ZMQ context (default: the process's).
+        rcvhwm: receive high-water mark per socket (messages).
+    """
+
+    def __init__(
+        self,
+        pool: EventPool,
+        engines: Sequence[EngineEndpoint] = (),
+        *,
+        bind: str | None = None,
+        bind_replay: Mapping[str, str] | None = None,
+        bind_engine: str = "vllm",
+        context: zmq.Context | None = None,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        self.pool = pool
+        self._ctx = context or zmq.Context.instance()
+        self._engines = list(engines)
+        self._bind = bind
+        self._bind_replay = dict(bind_replay or {})
+        self._bind_engine = bind_engine
+        self._rcvhwm = rcvhwm
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.received = 0
+
+    # -- lifecycle
+
+    def start(self, timeout: float = 5.0) -> None:
+        """Open the sockets (in the subscriber thread) and start receiving.
+
+        Raises the socket error (e.g. zmq.ZMQError for a bad address or a port
+        in use) if the sockets could not be opened.
+        """
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvevents-subscriber", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._error is not None:
+            self._thread.join(timeout)
+            self._thread = None
+            raise self._error
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop receiving and close every socket."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout)
+        self._thread = None
+        self._ready.clear()
+
+    def add_engine(self, engine: EngineEndpoint) -> None:
+        """Subscribe to one more engine (takes effect within one poll interval)."""
+        self._commands.put(("add", engine))
+
+    def remove_engine(self, pod: str) -> None:
+        """Unsubscribe from ``pod`` and remove all its blocks from the index."""
+        self._commands.put(("remove", pod))
+
+    # -- thread
+
+    def _source_for_bind(self) -> Source:
+        replay = self._bind_replay
+
+        def lookup(pod: str, rank: int) -> str | None:
+            ep = replay.get(pod)
+            return offset_port(ep, rank) if ep else None
+
+        return Source(pod=None, engine=self._bind_engine, replay=lookup if replay else None)
+
+    def _open(self, sockets: dict[zmq.Socket, Source], owners: dict[str, list[zmq.Socket]], eng: EngineEndpoint) -> None:
+        for rank, endpoint, replay in eng.ranks():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sock.setsockopt(zmq.SUBSCRIBE, eng.topic.encode())
+            sock.connect(endpoint)
+            source = Source(pod=eng.pod, engine=eng.engine, replay=replay, dp_rank=rank, model=eng.model)
+            sockets[sock] = source
+            owners.setdefault(eng.pod, []).append(sock)
+            if replay is not None:
+                self.pool.bootstrap(source, eng.pod, rank)
+
+    def _run(self) -> None:
+        sockets: dict[zmq.Socket, Source] = {}
+        owners: dict[str, list[zmq.Socket]] = {}
+        poller = zmq.Poller()
+        try:
+            try:
+                if self._bind is not None:
+                    sock = self._ctx.socket(zmq.SUB)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+                    sock.setsockopt(zmq.SUBSCRIBE, b"")
+                    sock.bind(self._bind)
+                    sockets[sock] = self._source_for_bind()
+                    for pod in self._bind_replay:
+                        self.pool.bootstrap(sockets[sock], pod, 0)
+                for eng in self._engines:
+                    self._open(sockets, owners, eng)
+            except BaseException as exc:  # reported to start()
+                self._error = exc
+                return
+            finally:
+                self._ready.set()
+            for s in sockets:
+                poller.register(s, zmq.POLLIN)
+            submit = self.pool.submit
+            while not self._stop.is_set():
+                self._drain_commands(sockets, owners, poller)
+                for sock, _ev in poller.poll(50):
+                    source = sockets.get(sock)
+                    if source is None:
+                        continue
+                    for _ in range(1000):  # bounded burst per socket per poll
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self.received += 1
+                        if len(frames) != 3:
+                            self.pool.record_error("frames", f"message with {len(frames)} frames (expected 3)")
+                            continue
+                        submit(RawMessage(source, frames[0], frames[1], frames[2]))
+        finally:
+            for s in sockets:
+                s.close(linger=0)
+
+    def _drain_commands(
+        self, sockets: dict[zmq.Socket, Source], owners: dict[str, list[zmq.Socket]], poller: zmq.Poller
+    ) -> None:
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                before = set(sockets)
+                try:
+                    self._open(sockets, owners, arg)
+                except zmq.ZMQError as exc:
+                    log.error("cannot subscribe to %s: %s", arg.endpoint, exc)
+                for s in set(sockets) - before:
+                    poller.register(s, zmq.POLLIN)
+            elif cmd == "remove":
+                for s in owners.pop(arg, []):
+                    poller.unregister(s)
+                    sockets.pop(s, None)
+                    s.close(linger=0)
+                self.pool.forget_pod(arg)
