@@ -1,0 +1,27 @@
+"""scorer: the read path's scoring half.
+
+Prefix coverage per pod from the index (:mod:`scorer.prefix`), load signals
+parsed from engine ``/metrics`` (:mod:`scorer.load`), and pickers that mix
+weighted scores and explain their choice (:mod:`scorer.picker`).  It reads the
+index only; it never imports kvevents.
+"""
+
+from scorer.load import LoadSnapshot, fetch_load, parse_vllm_metrics
+from scorer.picker import Choice, LoadPicker, PickerWeights, PodExplanation, RandomPicker, WeightedPicker
+from scorer.prefix import PrefixIndex, PrefixScore, prefix_scores_from_matches, score_prefix
+
+__all__ = [
+    "Choice",
+    "LoadPicker",
+    "LoadSnapshot",
+    "PickerWeights",
+    "PodExplanation",
+    "PrefixIndex",
+    "PrefixScore",
+    "RandomPicker",
+    "WeightedPicker",
+    "fetch_load",
+    "parse_vllm_metrics",
+    "prefix_scores_from_matches",
+    "score_prefix",
+]

@@ -1,0 +1,372 @@
+"""Pickers: choose one pod from prefix scores and load, and explain the choice.
+
+Read path: ... -> prefix scores -> **picker (with load)** -> chosen pod +
+explanation.
+
+:class:`WeightedPicker` mixes three normalised scorer outputs, each in 0..1,
+with the weights of the llm-d precise prefix-cache benchmark (prefix 3 :
+kv-usage 2 : queue 2):
+
+* prefix score = :attr:`PrefixScore.coverage` (absolute, see
+  :mod:`scorer.prefix`);
+* kv-usage score = ``1 - kv_usage`` clamped to 0..1;
+* queue score = min-max normalisation over the candidates of
+  ``waiting + in_flight``, inverted so the shortest queue gets 1 and the
+  longest 0 (all equal -> 1 for every candidate).
+
+:class:`LoadPicker` (kv-usage + queue only) and :class:`RandomPicker` are the
+baselines of that benchmark.  All pickers share the ``pick`` signature and
+return a :class:`Choice`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+
+import msgspec
+
+from scorer.load import LoadSnapshot
+from scorer.prefix import PrefixScore
+
+__all__ = [
+    "Choice",
+    "LoadPicker",
+    "PickerWeights",
+    "PodExplanation",
+    "RandomPicker",
+    "WeightedPicker",
+]
+
+
+class PickerWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """Weights of the scorers in :class:`WeightedPicker` (each finite, >= 0).
+
+    Defaults are the llm-d precise-scheduling benchmark's: prefix 3.0,
+    kv_usage 2.0, queue 2.0.
+
+    Raises:
+        ValueError: a negative or non-finite weight.
+    """
+
+    prefix: float = 3.0
+    kv_usage: float = 2.0
+    queue: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefix", "kv_usage", "queue"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"picker weight {name!r} must be finite and >= 0, got {v}")
+
+
+class PodExplanation(msgspec.Struct, frozen=True, kw_only=True):
+    """One candidate's scores and raw inputs in a :class:`Choice`.
+
+    Fields:
+        total: the picker's total for this pod (weighted sum; for
+            :class:`RandomPicker` 1.0 for the drawn pod, 0.0 for the others).
+        prefix: prefix score = coverage, 0..1.
+        kv_usage: kv-usage score = 1 - usage, 0..1.
+        queue: queue score, 0..1 (1 = shortest queue among the candidates).
+        matched_tokens: tokens of the pod's consecutive prefix match.
+        waiting: engine-reported waiting requests (raw input).
+        in_flight: router-side in-flight requests (raw input).
+        kv_cache_usage: engine-reported KV usage fraction (raw input, 0..1).
+        load_known: False when no LoadSnapshot was given for the pod (its load
+            then counts as zeros).
+        reason: one short line on why the pod won or lost.
+    """
+
+    total: float
+    prefix: float
+    kv_usage: float
+    queue: float
+    matched_tokens: int
+    waiting: float
+    in_flight: int
+    kv_cache_usage: float
+    load_known: bool
+    reason: str
+
+
+class Choice(msgspec.Struct, frozen=True, kw_only=True):
+    """Outcome of a pick.
+
+    Fields:
+        pod: the chosen pod id.
+        score: its total (see :attr:`PodExplanation.total`).
+        dp_rank: data-parallel rank hint within the pod, or None (the pickers
+            here work per pod and leave it None; an integration that knows
+            per-rank load may fill it).
+        explanation: pod -> :class:`PodExplanation` for every candidate, in
+            ranking order (the chosen pod first).
+        picker: name of the picker that decided ("weighted", "load", "random").
+    """
+
+    pod: str
+    score: float
+    explanation: dict[str, PodExplanation]
+    dp_rank: int | None = None
+    picker: str = "weighted"
+
+    def explain(self) -> str:
+        """A human-readable table: one row per candidate, the chosen pod marked ``*``."""
+        header = ("", "pod", "total", "prefix", "kv", "queue", "tokens", "waiting", "inflight", "kv_use", "reason")
+        rows = [header]
+        for pod, e in self.explanation.items():
+            rows.append(
+                (
+                    "*" if pod == self.pod else "",
+                    pod,
+                    f"{e.total:.3f}",
+                    f"{e.prefix:.3f}",
+                    f"{e.kv_usage:.3f}",
+                    f"{e.queue:.3f}",
+                    str(e.matched_tokens),
+                    f"{e.waiting:g}" if e.load_known else "-",
+                    str(e.in_flight),
+                    f"{e.kv_cache_usage:.2f}" if e.load_known else "-",
+                    e.reason,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        lines = [f"picker={self.picker} chosen={self.pod} score={self.score:.3f}"]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+        return "\n".join(lines)
+
+
+def _finite_nonneg(x: float) -> float:
+    x = float(x)
+    return x if math.isfinite(x) and x > 0.0 else 0.0
+
+
+def _unit(x: float) -> float:
+    x = float(x)
+    if not math.isfinite(x):
+        return 0.0 if x != x or x < 0 else 1.0
+    return 0.0 if x < 0.0 else 1.0 if x > 1.0 else x
+
+
+def _unique_candidates(candidates: Sequence[str]) -> list[str]:
+    if isinstance(candidates, (str, bytes)):
+        raise TypeError("candidates must be a sequence of pod ids, not a single string")
+    out = list(dict.fromkeys(candidates))
+    if not out:
+        raise ValueError("no candidate pods to pick from")
+    return out
+
+
+class _Inputs(msgspec.Struct):
+    pod: str
+    prefix: float
+    kv: float
+    queue_len: float
+    queue: float
+    matched_tokens: int
+    waiting: float
+    in_flight: int
+    kv_cache_usage: float
+    load_known: bool
+
+
+def _gather(
+    prefix: Mapping[str, PrefixScore], loads: Mapping[str, LoadSnapshot], pods: list[str]
+) -> list[_Inputs]:
+    """Normalised scorer outputs per candidate (queue min-max over ``pods``)."""
+    rows: list[_Inputs] = []
+    for pod in pods:
+        ps = prefix.get(pod)
+        ld = loads.get(pod)
+        waiting = _finite_nonneg(ld.waiting) if ld is not None else 0.0
+        in_flight = max(0, int(ld.in_flight)) if ld is not None else 0
+        usage = _unit(ld.kv_usage) if ld is not None else 0.0
+        rows.append(
+            _Inputs(
+                pod=pod,
+                prefix=_unit(ps.coverage) if ps is not None else 0.0,
+                kv=1.0 - usage,
+                queue_len=waiting + in_flight,
+                queue=1.0,
+                matched_tokens=ps.matched_tokens if ps is not None else 0,
+                waiting=waiting,
+                in_flight=in_flight,
+                kv_cache_usage=usage,
+                load_known=ld is not None,
+            )
+        )
+    lo = min(r.queue_len for r in rows)
+    hi = max(r.queue_len for r in rows)
+    if hi > lo:
+        span = hi - lo
+        for r in rows:
+            r.queue = (hi - r.queue_len) / span
+    return rows
+
+
+class WeightedPicker:
+    """Weighted sum of normalised scorer outputs; deterministic.
+
+    ``total = w.prefix * coverage + w.kv_usage * (1 - kv_usage) + w.queue * queue``
+    (see the module docstring for each term).  The pod with the largest total
+    wins; ties go to the higher prefix score, then the shorter raw queue
+    (``waiting + in_flight``), then the smaller pod id (string order), so the
+    choice never depends on candidate order.
+
+    A candidate without an entry in ``prefix`` has coverage 0; one without a
+    LoadSnapshot in ``loads`` has zero load (waiting 0, in_flight 0, usage 0),
+    i.e. it looks idle: feed the router's in-flight counts to avoid piling
+    requests on a pod whose metrics are not yet scraped.
+    """
+
+    name = "weighted"
+
+    def __init__(self, weights: PickerWeights | None = None) -> None:
+        self.weights = weights if weights is not None else PickerWeights()
+
+    def _prefix_tiebreak(self) -> bool:
+        return True
+
+    def pick(
+        self,
+        prefix: Mapping[str, PrefixScore],
+        loads: Mapping[str, LoadSnapshot],
+        candidates: Sequence[str],
+    ) -> Choice:
+        """Choose one of ``candidates``.
+
+        Args:
+            prefix: pod -> PrefixScore (e.g. from :func:`scorer.prefix.score_prefix`);
+                entries for non-candidates are ignored.
+            loads: pod -> LoadSnapshot; missing pods count as zero load.
+            candidates: pod ids to choose from (duplicates are ignored).
+
+        Returns:
+            The Choice, with an explanation row for every candidate.
+
+        Raises:
+            ValueError: no candidates.
+            TypeError: ``candidates`` is a single string.
+        """
+        pods = _unique_candidates(candidates)
+        w = self.weights
+        rows = _gather(prefix, loads, pods)
+        totals = {r.pod: w.prefix * r.prefix + w.kv_usage * r.kv + w.queue * r.queue for r in rows}
+        use_prefix = self._prefix_tiebreak()
+
+        def key(r: _Inputs) -> tuple[float, float, float, str]:
+            return (-totals[r.pod], -r.prefix if use_prefix else 0.0, r.queue_len, r.pod)
+
+        ranked = sorted(rows, key=key)
+        win = ranked[0]
+        expl: dict[str, PodExplanation] = {}
+        for i, r in enumerate(ranked):
+            expl[r.pod] = PodExplanation(
+                total=totals[r.pod],
+                prefix=r.prefix,
+                kv_usage=r.kv,
+                queue=r.queue,
+                matched_tokens=r.matched_tokens,
+                waiting=r.waiting,
+                in_flight=r.in_flight,
+                kv_cache_usage=r.kv_cache_usage,
+                load_known=r.load_known,
+                reason=self._reason(i, r, win, ranked, totals, use_prefix),
+            )
+        return Choice(pod=win.pod, score=totals[win.pod], explanation=expl, picker=self.name)
+
+    def _reason(
+        self,
+        rank: int,
+        r: _Inputs,
+        win: _Inputs,
+        ranked: list[_Inputs],
+        totals: dict[str, float],
+        use_prefix: bool,
+    ) -> str:
+        w = self.weights
+        if rank == 0:
+            if len(ranked) == 1:
+                return "only candidate"
+            second = ranked[1]
+            if totals[second.pod] < totals[r.pod]:
+                return f"highest total (+{totals[r.pod] - totals[second.pod]:.3f} over {second.pod})"
+            if use_prefix and r.prefix > second.prefix:
+                return "tie on total; higher prefix"
+            if r.queue_len < second.queue_len:
+                return "tie on total; shorter queue"
+            return "tie on total; first pod id"
+        gap = totals[win.pod] - totals[r.pod]
+        if gap <= 0.0:
+            return "tie on total; lost the tie-break"
+        parts = {
+            "prefix": w.prefix * (win.prefix - r.prefix),
+            "kv-usage": w.kv_usage * (win.kv - r.kv),
+            "queue": w.queue * (win.queue - r.queue),
+        }
+        main = max(parts, key=lambda k: (parts[k], k))
+        return f"-{gap:.3f} vs {win.pod}, mostly {main}"
+
+
+class LoadPicker(WeightedPicker):
+    """Load-only baseline: kv-usage and queue scores, no prefix.
+
+    Same as :class:`WeightedPicker` with ``PickerWeights(prefix=0.0,
+    kv_usage=kv_usage, queue=queue)`` and a tie-break that ignores prefix
+    (shorter raw queue, then pod id), so prefix information never leaks in.
+    The ``prefix`` argument only feeds the explanation.
+    """
+
+    name = "load"
+
+    def __init__(self, *, kv_usage: float = 2.0, queue: float = 2.0) -> None:
+        super().__init__(PickerWeights(prefix=0.0, kv_usage=kv_usage, queue=queue))
+
+    def _prefix_tiebreak(self) -> bool:
+        return False
+
+
+class RandomPicker:
+    """Random baseline: a uniform draw among the distinct candidates.
+
+    ``seed`` makes the sequence of draws reproducible; the draw is made over
+    the candidates sorted by pod id so that it does not depend on their
+    order.  The explanation carries the same per-pod scores as
+    :class:`WeightedPicker` computes (for comparison) but ``total`` is 1.0 for
+    the drawn pod and 0.0 for the others.
+    """
+
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def pick(
+        self,
+        prefix: Mapping[str, PrefixScore],
+        loads: Mapping[str, LoadSnapshot],
+        candidates: Sequence[str],
+    ) -> Choice:
+        """Choose one of ``candidates`` at random (same contract as :meth:`WeightedPicker.pick`)."""
+        pods = sorted(_unique_candidates(candidates))
+        chosen = self._rng.choice(pods)
+        rows = _gather(prefix, loads, pods)
+        rows.sort(key=lambda r: (r.pod != chosen, r.pod))
+        expl = {
+            r.pod: PodExplanation(
+                total=1.0 if r.pod == chosen else 0.0,
+                prefix=r.prefix,
+                kv_usage=r.kv,
+                queue=r.queue,
+                matched_tokens=r.matched_tokens,
+                waiting=r.waiting,
+                in_flight=r.in_flight,
+                kv_cache_usage=r.kv_cache_usage,
+                load_known=r.load_known,
+                reason="drawn at random" if r.pod == chosen else "not drawn",
+            )
+            for r in rows
+        }
+        return Choice(pod=chosen, score=1.0, explanation=expl, picker=self.name)

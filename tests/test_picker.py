@@ -1,0 +1,205 @@
+"""Pickers: the weighted picker against a brute-force oracle, the baselines, and explanations."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scorer.load import LoadSnapshot
+from scorer.picker import Choice, LoadPicker, PickerWeights, RandomPicker, WeightedPicker
+from scorer.prefix import PrefixScore
+
+PODS = ["pod-a", "pod-b", "pod-c", "pod-d", "pod-e", "pod-f"]
+
+
+def oracle_pick(weights, prefix, loads, candidates, use_prefix=True):
+    """Plain recomputation of every total and the winner, straight from the rules."""
+    pods = list(dict.fromkeys(candidates))
+    cov, kv, qlen = {}, {}, {}
+    for p in pods:
+        cov[p] = min(1.0, max(0.0, prefix[p].coverage)) if p in prefix else 0.0
+        ld = loads.get(p, LoadSnapshot())
+        kv[p] = 1.0 - min(1.0, max(0.0, ld.kv_usage))
+        qlen[p] = ld.waiting + ld.in_flight
+    lo, hi = min(qlen.values()), max(qlen.values())
+    queue = {p: 1.0 if hi == lo else (hi - qlen[p]) / (hi - lo) for p in pods}
+    total = {p: weights.prefix * cov[p] + weights.kv_usage * kv[p] + weights.queue * queue[p] for p in pods}
+    best = None
+    for p in pods:  # brute-force argmax with the documented tie-break
+        if best is None:
+            best = p
+            continue
+        a, b = (total[p], cov[p] if use_prefix else 0, -qlen[p]), (total[best], cov[best] if use_prefix else 0, -qlen[best])
+        if a > b or (a == b and p < best):
+            best = p
+    return best, total, cov, kv, queue
+
+
+coverages = st.sampled_from([0.0, 0.125, 0.25, 0.5, 1.0]) | st.floats(0.0, 1.0)
+usages = st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0.0, 1.0)
+counts = st.sampled_from([0.0, 1.0, 2.0]) | st.floats(0.0, 500.0, allow_subnormal=False)
+
+
+@st.composite
+def pick_cases(draw):
+    candidates = draw(st.lists(st.sampled_from(PODS), min_size=1, max_size=8))
+    prefix = {
+        p: PrefixScore(pod=p, matched_blocks=1, matched_tokens=16, weighted_blocks=1.0, coverage=draw(coverages))
+        for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True))
+    }
+    loads = {
+        p: LoadSnapshot(waiting=draw(counts), kv_usage=draw(usages), in_flight=draw(st.integers(0, 5)))
+        for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True))
+    }
+    weights = draw(
+        st.just(PickerWeights())
+        | st.builds(
+            PickerWeights,
+            prefix=st.sampled_from([0.0, 1.0, 3.0]),
+            kv_usage=st.sampled_from([0.0, 1.0, 2.0]),
+            queue=st.sampled_from([0.0, 2.0, 5.0]),
+        )
+    )
+    return weights, prefix, loads, candidates
+
+
+@settings(max_examples=200, deadline=None)
+@given(pick_cases())
+def test_weighted_picker_matches_oracle(case):
+    weights, prefix, loads, candidates = case
+    choice = WeightedPicker(weights).pick(prefix, loads, candidates)
+    best, total, cov, kv, queue = oracle_pick(weights, prefix, loads, candidates)
+    assert choice.pod == best
+    assert choice.score == pytest.approx(total[best])
+    assert set(choice.explanation) == set(candidates)
+    assert next(iter(choice.explanation)) == best
+    for p, e in choice.explanation.items():
+        assert e.total == pytest.approx(total[p])
+        assert (e.prefix, e.kv_usage) == (pytest.approx(cov[p]), pytest.approx(kv[p]))
+        assert e.queue == pytest.approx(queue[p])
+        assert 0.0 <= e.queue <= 1.0 and 0.0 <= e.kv_usage <= 1.0
+        assert e.load_known == (p in loads)
+    # the choice does not depend on candidate order
+    again = WeightedPicker(weights).pick(prefix, loads, list(reversed(candidates)))
+    assert again.pod == choice.pod
+
+
+@settings(max_examples=150, deadline=None)
+@given(pick_cases())
+def test_load_picker_matches_oracle_and_ignores_prefix(case):
+    _, prefix, loads, candidates = case
+    choice = LoadPicker().pick(prefix, loads, candidates)
+    best, total, *_ = oracle_pick(PickerWeights(prefix=0.0), prefix, loads, candidates, use_prefix=False)
+    assert choice.pod == best
+    assert choice.score == pytest.approx(total[best])
+    assert LoadPicker().pick({}, loads, candidates).pod == choice.pod
+
+
+def test_default_weights_are_the_benchmarks():
+    assert PickerWeights() == PickerWeights(prefix=3.0, kv_usage=2.0, queue=2.0)
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            PickerWeights(prefix=bad)
+
+
+def test_worked_example():
+    prefix = {
+        "a": PrefixScore(pod="a", matched_blocks=6, matched_tokens=96, weighted_blocks=6.0, coverage=0.75),
+        "b": PrefixScore(pod="b", matched_blocks=2, matched_tokens=32, weighted_blocks=2.0, coverage=0.25),
+    }
+    loads = {
+        "a": LoadSnapshot(waiting=6, in_flight=2, kv_usage=0.9),
+        "b": LoadSnapshot(waiting=0, in_flight=0, kv_usage=0.2),
+        "c": LoadSnapshot(waiting=2, in_flight=0, kv_usage=0.0),
+    }
+    c = WeightedPicker().pick(prefix, loads, ["a", "b", "c"])
+    # a: 3*.75 + 2*.1 + 2*0 = 2.45 ; b: 3*.25 + 2*.8 + 2*1 = 4.35 ; c: 0 + 2*1 + 2*.75 = 3.5
+    assert c.pod == "b" and c.score == pytest.approx(4.35)
+    assert list(c.explanation) == ["b", "c", "a"]
+    e = c.explanation
+    assert (e["a"].total, e["c"].total) == (pytest.approx(2.45), pytest.approx(3.5))
+    assert (e["a"].matched_tokens, e["a"].waiting, e["a"].in_flight, e["a"].kv_cache_usage) == (96, 6, 2, 0.9)
+    assert e["c"].queue == pytest.approx(0.75)
+    assert e["b"].reason.startswith("highest total")
+    assert "queue" in e["a"].reason  # a lost mostly on its queue
+    assert c.dp_rank is None and c.picker == "weighted"
+    # with prefix dominating, the long prefix wins
+    assert WeightedPicker(PickerWeights(prefix=10.0)).pick(prefix, loads, ["a", "b", "c"]).pod == "a"
+
+
+def test_tie_break_order():
+    idle = {p: LoadSnapshot() for p in "xyz"}
+    # equal totals: higher prefix first... (prefix weight 0 so the prefix only breaks ties)
+    pre = {"y": PrefixScore(pod="y", matched_blocks=1, matched_tokens=16, weighted_blocks=1, coverage=0.5)}
+    c = WeightedPicker(PickerWeights(prefix=0.0)).pick(pre, idle, ["z", "y", "x"])
+    assert c.pod == "y" and c.explanation["y"].reason == "tie on total; higher prefix"
+    # ...then the shorter raw queue (queue weight 0 so the queue only breaks ties)
+    loads = {"x": LoadSnapshot(waiting=3), "y": LoadSnapshot(waiting=1), "z": LoadSnapshot(waiting=2)}
+    c = WeightedPicker(PickerWeights(queue=0.0)).pick({}, loads, ["x", "z", "y"])
+    assert c.pod == "y" and c.explanation["y"].reason == "tie on total; shorter queue"
+    # ...then the pod id
+    c = WeightedPicker().pick({}, idle, ["z", "y", "x"])
+    assert c.pod == "x" and c.explanation["x"].reason == "tie on total; first pod id"
+    assert list(c.explanation) == ["x", "y", "z"]
+
+
+def test_missing_load_counts_as_idle_and_all_equal_queue_is_one():
+    c = WeightedPicker().pick({}, {"b": LoadSnapshot(waiting=1, kv_usage=0.5)}, ["a", "b"])
+    assert c.pod == "a" and not c.explanation["a"].load_known
+    same = WeightedPicker().pick({}, {p: LoadSnapshot(waiting=4, in_flight=1) for p in "ab"}, ["a", "b"])
+    assert [e.queue for e in same.explanation.values()] == [1.0, 1.0]
+
+
+def test_garbage_load_values_are_tamed():
+    loads = {
+        "a": LoadSnapshot(waiting=math.nan, kv_usage=math.nan),
+        "b": LoadSnapshot(waiting=math.inf, kv_usage=7.0),
+        "c": LoadSnapshot(waiting=-5.0, kv_usage=-1.0),
+    }
+    c = WeightedPicker().pick({}, loads, ["a", "b", "c"])
+    for e in c.explanation.values():
+        assert math.isfinite(e.total) and 0.0 <= e.kv_usage <= 1.0 and 0.0 <= e.queue <= 1.0
+    assert c.explanation["b"].kv_usage == 0.0
+
+
+@pytest.mark.parametrize("picker", [WeightedPicker(), LoadPicker(), RandomPicker(seed=1)])
+def test_misuse(picker):
+    with pytest.raises(ValueError):
+        picker.pick({}, {}, [])
+    with pytest.raises(TypeError):
+        picker.pick({}, {}, "pod-a")
+    one = picker.pick({}, {}, ["solo", "solo"])
+    assert one.pod == "solo" and list(one.explanation) == ["solo"]
+
+
+def test_random_picker_is_seeded_order_free_and_covers_all():
+    cands = ["p1", "p2", "p3", "p4"]
+    a = [RandomPicker(seed=7).pick({}, {}, cands).pod for _ in range(3)]
+    r1, r2 = RandomPicker(seed=7), RandomPicker(seed=7)
+    seq1 = [r1.pick({}, {}, cands).pod for _ in range(200)]
+    seq2 = [r2.pick({}, {}, list(reversed(cands))).pod for _ in range(200)]
+    assert seq1 == seq2
+    assert a == [seq1[0]] * 3
+    assert set(Counter(seq1)) == set(cands)
+    c = RandomPicker(seed=3).pick({}, {}, cands)
+    assert c.picker == "random" and c.score == 1.0
+    assert c.explanation[c.pod].total == 1.0
+    assert sum(e.total for e in c.explanation.values()) == 1.0
+
+
+def test_explain_table_and_roundtrip():
+    prefix = {"a": PrefixScore(pod="a", matched_blocks=2, matched_tokens=64, weighted_blocks=2.0, coverage=0.5)}
+    c = WeightedPicker().pick(prefix, {"b": LoadSnapshot(waiting=3, kv_usage=0.25)}, ["a", "b"])
+    text = c.explain()
+    lines = text.splitlines()
+    assert lines[0] == "picker=weighted chosen=a score=5.500"
+    assert lines[1].split()[:4] == ["pod", "total", "prefix", "kv"]
+    assert lines[2].startswith("*  a") and "64" in lines[2]
+    assert lines[3].split()[0] == "b" and "0.25" in lines[3]
+    # the choice is a plain msgspec struct: JSON round trip
+    assert msgspec.json.decode(msgspec.json.encode(c), type=Choice) == c
