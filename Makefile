@@ -1,0 +1,31 @@
+# kvindex: `make test` runs the full suite, `make demo` the simulated-fleet demo.
+# Both create their own virtualenv (.venv) on a fresh machine.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-fast demo demo-vllm vllm-env bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
+
+demo: $(STAMP)
+	$(PY) -m examples.demo
+
+bench: $(STAMP)
+	$(PY) bench/bench_keys.py
+	$(PY) bench/bench_decode.py
+
+clean:
+	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

@@ -1,0 +1,12 @@
+"""indexer: the facade that wires kvindex, kvevents and scorer together.
+
+:class:`Indexer` takes one :class:`Config` (JSON or YAML), starts the write
+path (ZMQ subscriber -> sharded pool -> index) and answers ``score(tokens,
+pods)`` on the read path.  It sits above kvevents and scorer, which never
+import each other.
+"""
+
+from indexer.config import Config, load_config
+from indexer.indexer import Indexer, IndexerStats, Score
+
+__all__ = ["Config", "Indexer", "IndexerStats", "Score", "load_config"]

@@ -1,0 +1,175 @@
+"""One typed configuration for the whole indexer, loadable from JSON or YAML.
+
+Names are snake_case and follow llm-d's KV-cache manager configuration where
+it has an equivalent (``token_processor_config.block_size``, ``hash_seed``,
+``kv_block_index_config.in_memory_config.size``,
+``kv_events_config.zmq_endpoint`` / ``topic_filter`` / ``concurrency``).
+
+Example (YAML)::
+
+    model_name: tiny-llama
+    token_processor_config:
+      block_size: 16
+      hash_seed: "0"
+      algorithm: xxh3_chain          # or vllm_sha256_cbor / vllm_sha256
+    kv_block_index_config:
+      in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
+    kv_events_config:
+      concurrency: 4
+      engines:
+        - {pod: pod-a, endpoint: "tcp://10.0.0.5:5557", replay_endpoint: "tcp://10.0.0.5:5558"}
+    scorer_config:
+      tier_weights: {gpu: 1.0, cpu: 0.8, storage: 0.5}
+      weights: {prefix: 3.0, kv_usage: 2.0, queue: 2.0}
+
+Unknown keys are rejected (a typo should not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from kvevents.subscriber import EngineEndpoint
+from kvindex.keys import ALGORITHMS
+from kvindex.tiers import DEFAULT_TIER_WEIGHTS
+
+__all__ = [
+    "Config",
+    "TokenProcessorConfig",
+    "InMemoryConfig",
+    "KVBlockIndexConfig",
+    "KVEventsConfig",
+    "ScorerWeights",
+    "ScorerConfig",
+    "load_config",
+]
+
+
+class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class TokenProcessorConfig(_Base, frozen=True):
+    """How tokens become request keys (see kvindex.keys.TokenProcessor).
+
+    block_size: tokens per block; must equal the engines' block size.
+    hash_seed: seed of our keyed hash (int or str); every router of a fleet
+        that shares an index must use the same one.
+    algorithm: ``xxh3_chain`` (ours) or ``vllm_sha256_cbor`` / ``vllm_sha256``
+        (reproduce the engines' own block hashes).
+    engine_hash_seed: for the vllm_* algorithms, the engines' PYTHONHASHSEED
+        (None: vLLM's default seed string).
+    """
+
+    block_size: int = 16
+    hash_seed: int | str = 0
+    algorithm: str = "xxh3_chain"
+    engine_hash_seed: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+
+
+class InMemoryConfig(_Base, frozen=True):
+    """In-memory backend bounds: ``size`` request keys (LRU), orphan blocks."""
+
+    size: int = 1_000_000
+    max_orphan_blocks: int = 100_000
+
+
+class KVBlockIndexConfig(_Base, frozen=True):
+    """Index backend choice (only in-memory for now)."""
+
+    in_memory_config: InMemoryConfig = msgspec.field(default_factory=InMemoryConfig)
+
+
+class KVEventsConfig(_Base, frozen=True):
+    """Write path: where events come from and how the pool applies them.
+
+    engines: connect mode, one entry per engine endpoint (engines bind).
+    zmq_endpoint: bind mode address (engines dial in), e.g. ``tcp://*:5557``.
+    bind_replay: bind mode: pod -> replay endpoint (DP rank 0; rank r at port + r).
+    engine: payload format in bind mode (``vllm`` or ``sglang``).
+    concurrency: pool shards; queue_size: per-shard bound in messages;
+    replay_timeout: seconds.
+    """
+
+    engines: list[EngineEndpoint] = msgspec.field(default_factory=list)
+    zmq_endpoint: str | None = None
+    bind_replay: dict[str, str] = msgspec.field(default_factory=dict)
+    engine: str = "vllm"
+    concurrency: int = 4
+    queue_size: int = 10_000
+    replay_timeout: float = 2.0
+
+
+class ScorerWeights(_Base, frozen=True):
+    """Picker weights (llm-d benchmark defaults: prefix 3 : kv-usage 2 : queue 2)."""
+
+    prefix: float = 3.0
+    kv_usage: float = 2.0
+    queue: float = 2.0
+
+
+class ScorerConfig(_Base, frozen=True):
+    """Read path: tier weights, picker weights, speculative entries.
+
+    speculative_ttl: seconds a routed request's blocks count as present on the
+    chosen pod before its events confirm them (0 disables).
+    """
+
+    tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
+    speculative_ttl: float = 0.0
+
+
+class Config(_Base, frozen=True):
+    """Everything the :class:`indexer.Indexer` needs.
+
+    model_name: default model for ``score()`` (keys are scoped by model; the
+    engines' topics ``kv@<pod>@<model>`` name theirs).
+    """
+
+    model_name: str | None = None
+    token_processor_config: TokenProcessorConfig = msgspec.field(default_factory=TokenProcessorConfig)
+    kv_block_index_config: KVBlockIndexConfig = msgspec.field(default_factory=KVBlockIndexConfig)
+    kv_events_config: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
+    scorer_config: ScorerConfig = msgspec.field(default_factory=ScorerConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        """Validate a plain mapping. Raises msgspec.ValidationError (a ValueError) on bad input."""
+        return msgspec.convert(data, cls)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Config:
+        """Parse JSON text. Raises msgspec.DecodeError / ValidationError."""
+        return msgspec.json.decode(text, type=cls)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> Config:
+        """Parse YAML text (safe loader). Raises ValueError for YAML that is not a mapping."""
+        data = yaml.safe_load(text)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError("configuration must be a mapping")
+        return cls.from_dict(data)
+
+    def to_json(self) -> bytes:
+        """The configuration as JSON."""
+        return msgspec.json.encode(self)
+
+
+def load_config(path: str | Path) -> Config:
+    """Load a configuration file: ``.json`` as JSON, anything else as YAML."""
+    p = Path(path)
+    text = p.read_text()
+    return Config.from_json(text) if p.suffix == ".json" else Config.from_yaml(text)

@@ -1,0 +1,283 @@
+"""The facade a router embeds: config -> index + pool + subscriber + scorer.
+
+Write path (background threads): engines -> ZMQ -> :class:`kvevents.Subscriber`
+-> :class:`kvevents.EventPool` shards -> :class:`kvindex.KVBlockIndex`.
+Read path (the caller's thread): tokens -> request keys -> prefix match ->
+prefix scores -> picker with load -> :class:`Score` (chosen pod + explanation).
+
+Example::
+
+    from indexer import Indexer, Config
+    cfg = Config.from_dict({"model_name": "m", "kv_events_config": {"engines": [
+        {"pod": "a", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}]}})
+    with Indexer(cfg) as ix:
+        result = ix.score(token_ids, pods=["a", "b"])
+        print(result.pod, result.prefix["a"].matched_tokens)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+from indexer.config import Config
+from kvevents.pool import EventPool, PoolStats
+from kvevents.subscriber import EngineEndpoint, Subscriber
+from kvindex.index import IndexStats, KVBlockIndex
+from kvindex.keys import TokenProcessor
+from kvindex.tiers import TierWeights
+from scorer.load import LoadSnapshot
+from scorer.picker import Choice, PickerWeights, WeightedPicker
+from scorer.prefix import PrefixScore, prefix_scores_from_matches
+
+__all__ = ["Indexer", "Score", "IndexerStats"]
+
+
+class Score(msgspec.Struct, frozen=True, kw_only=True):
+    """Result of :meth:`Indexer.score`.
+
+    request_blocks: full blocks in the prompt (the trailing partial block has
+    no key); prefix: pod -> :class:`PrefixScore` for every candidate; choice:
+    the picker's :class:`Choice` (None when there were no candidates);
+    pod: shortcut for ``choice.pod``.
+    """
+
+    request_blocks: int
+    block_size: int
+    prefix: dict[str, PrefixScore]
+    choice: Choice | None
+    pod: str | None
+
+    def explain(self) -> str:
+        """The picker's table, or a one-line note when nothing could be chosen."""
+        if self.choice is None:
+            return f"no candidate pods ({self.request_blocks} request blocks)"
+        return self.choice.explain()
+
+
+class IndexerStats(msgspec.Struct, frozen=True):
+    """Index and write-path counters together (see IndexStats and PoolStats)."""
+
+    index: IndexStats
+    events: PoolStats
+    received_messages: int
+
+
+class Indexer:
+    """KV-cache-aware pod scoring for one fleet of engines.
+
+    Args:
+        config: the configuration (defaults: block size 16, xxh3_chain keys,
+            no engines).
+        index: use this index instead of building one from the config.
+
+    The write path runs only between :meth:`start` and :meth:`stop`; the read
+    path (:meth:`score`) works at any time on whatever the index holds.
+    """
+
+    def __init__(self, config: Config | None = None, *, index: KVBlockIndex | None = None) -> None:
+        self.config = cfg = config or Config()
+        tpc = cfg.token_processor_config
+        self.token_processor = (
+            index.token_processor
+            if index is not None
+            else TokenProcessor(
+                block_size=tpc.block_size,
+                hash_seed=tpc.hash_seed,
+                algorithm=tpc.algorithm,
+                engine_hash_seed=tpc.engine_hash_seed,
+            )
+        )
+        mem = cfg.kv_block_index_config.in_memory_config
+        self.index = index or KVBlockIndex(
+            self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks
+        )
+        ev = cfg.kv_events_config
+        self.pool = EventPool(
+            self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout
+        )
+        self.subscriber = Subscriber(
+            self.pool,
+            ev.engines,
+            bind=ev.zmq_endpoint,
+            bind_replay=ev.bind_replay,
+            bind_engine=ev.engine,
+        )
+        sc = cfg.scorer_config
+        self.tier_weights = TierWeights(sc.tier_weights)
+        self.picker = WeightedPicker(
+            PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
+        )
+        self.speculative_ttl = sc.speculative_ttl
+        self._loads: dict[str, LoadSnapshot] = {}
+        self._in_flight: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle
+
+    def start(self) -> Indexer:
+        """Start the pool workers and the subscriber (opens the ZMQ sockets)."""
+        self.pool.start()
+        self.subscriber.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop receiving, then stop the workers after what is queued."""
+        self.subscriber.stop()
+        self.pool.stop()
+
+    def __enter__(self) -> Indexer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def add_engine(self, engine: EngineEndpoint) -> None:
+        """Subscribe to one more engine while running."""
+        self.subscriber.add_engine(engine)
+
+    def remove_engine(self, pod: str) -> None:
+        """Unsubscribe from ``pod`` and forget its blocks and load."""
+        self.subscriber.remove_engine(pod)
+        with self._lock:
+            self._loads.pop(pod, None)
+            self._in_flight.pop(pod, None)
+
+    # -- load signals
+
+    def update_load(self, pod: str, load: LoadSnapshot) -> None:
+        """Record the latest engine-reported load of ``pod`` (e.g. from scorer.fetch_load)."""
+        with self._lock:
+            self._loads[pod] = load
+
+    def request_started(self, pod: str) -> None:
+        """Count one more request the router has in flight on ``pod``."""
+        with self._lock:
+            self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+
+    def request_finished(self, pod: str) -> None:
+        """Count one in-flight request on ``pod`` as done (never below 0)."""
+        with self._lock:
+            self._in_flight[pod] = max(0, self._in_flight.get(pod, 0) - 1)
+
+    def loads(self) -> dict[str, LoadSnapshot]:
+        """Current load per pod: last engine snapshot with the router's in-flight count."""
+        with self._lock:
+            pods = set(self._loads) | set(self._in_flight)
+            return {
+                p: msgspec.structs.replace(self._loads.get(p) or LoadSnapshot(), in_flight=self._in_flight.get(p, 0))
+                for p in pods
+            }
+
+    # -- read path
+
+    def request_keys(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        model: str | None = None,
+        lora: str | None = None,
+        block_extra_keys: Sequence[Sequence | None] | None = None,
+        cache_salt: str | None = None,
+    ) -> np.ndarray:
+        """Request keys (uint64 array, one per full block) of a prompt; model defaults to config.model_name."""
+        return self.token_processor.request_keys(
+            tokens,
+            model=model if model is not None else self.config.model_name,
+            lora=lora,
+            block_extra_keys=block_extra_keys,
+            cache_salt=cache_salt,
+        )
+
+    def score(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pods: Collection[str] | None = None,
+        *,
+        model: str | None = None,
+        lora: str | None = None,
+        block_extra_keys: Sequence[Sequence | None] | None = None,
+        cache_salt: str | None = None,
+        loads: Mapping[str, LoadSnapshot] | None = None,
+    ) -> Score:
+        """Score candidate pods for a prompt and pick one.
+
+        Args:
+            tokens: the prompt's token ids (list or 1-D integer array), as the
+                engine will see them (chat template applied).
+            pods: candidate pods; None = every pod the index or the load table knows.
+            model, lora: key scope (model defaults to ``config.model_name``).
+            block_extra_keys, cache_salt: see kvindex.keys.TokenProcessor.
+            loads: load per pod; None = the indexer's own table
+                (:meth:`update_load` + in-flight counts).
+
+        Returns:
+            :class:`Score` with every candidate's prefix score and the choice.
+            A prompt shorter than one block gives zero prefix scores.
+
+        Raises:
+            TypeError / ValueError: bad tokens or arguments (from the token processor).
+        """
+        keys = self.request_keys(
+            tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+        )
+        if loads is None:
+            loads = self.loads()
+        if pods is None:
+            candidates = sorted(self.index.pods() | set(loads))
+        else:
+            if isinstance(pods, str):
+                raise TypeError("pods must be a collection of pod ids, not a str")
+            candidates = list(dict.fromkeys(pods))
+        matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
+        prefix = prefix_scores_from_matches(
+            matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
+        )
+        choice = self.picker.pick(prefix, loads, candidates) if candidates else None
+        return Score(
+            request_blocks=len(keys),
+            block_size=self.token_processor.block_size,
+            prefix=prefix,
+            choice=choice,
+            pod=choice.pod if choice is not None else None,
+        )
+
+    def route(self, tokens: Sequence[int] | np.ndarray, pods: Collection[str] | None = None, **kw) -> Score:
+        """:meth:`score`, then count the request in flight on the chosen pod and,
+        when ``speculative_ttl`` > 0, mark its blocks as speculatively held there.
+        Call :meth:`request_finished` with the pod when the request ends."""
+        result = self.score(tokens, pods, **kw)
+        if result.pod is not None:
+            self.request_started(result.pod)
+            if self.speculative_ttl > 0 and result.request_blocks:
+                keys = self.request_keys(
+                    tokens,
+                    model=kw.get("model"),
+                    lora=kw.get("lora"),
+                    block_extra_keys=kw.get("block_extra_keys"),
+                    cache_salt=kw.get("cache_salt"),
+                )
+                self.index.add_speculative(keys, result.pod, self.speculative_ttl)
+        return result
+
+    # -- observability
+
+    def stats(self) -> IndexerStats:
+        """Index sizes/counters and write-path counters."""
+        return IndexerStats(index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received)
+
+    def wait_for(self, messages: int, timeout: float = 10.0) -> bool:
+        """Wait until the subscriber has received ``messages`` in total and the pool applied them.
+
+        For tests and demos; returns False on timeout.
+        """
+        deadline = time.monotonic() + timeout
+        while self.subscriber.received < messages:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return self.pool.flush(max(0.0, deadline - time.monotonic()))
