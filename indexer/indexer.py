@@ -270,6 +270,11 @@ class Indexer:
         """Index sizes/counters and write-path counters."""
         return IndexerStats(index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received)
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until everything queued on the write path so far (including the
+        replay from seq 0 asked on connecting to engines) is applied. False on timeout."""
+        return self.pool.flush(timeout)
+
     def wait_for(self, messages: int, timeout: float = 10.0) -> bool:
         """Wait until the subscriber has received ``messages`` in total and the pool applied them.
 
