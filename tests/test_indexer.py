@@ -1,0 +1,106 @@
+"""The facade: config loading, score() on the read path, route() bookkeeping."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from indexer import Config, Indexer, load_config
+from kvindex.tiers import CPU, GPU
+from scorer.load import LoadSnapshot
+
+BS = 4
+TOKENS = list(range(1, 41))  # 10 blocks
+
+
+def indexer(**scorer) -> Indexer:
+    return Indexer(Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": BS},
+                                     "scorer_config": scorer}))
+
+
+def store(ix: Indexer, pod: str, blocks: int, tier: str = GPU) -> None:
+    base = ord(pod[0]) * 1000
+    ix.index.block_stored(pod, 0, list(range(base, base + blocks)), None,
+                          TOKENS[: blocks * BS], tier, block_size=BS, model="m")
+
+
+def test_config_json_yaml_roundtrip(tmp_path):
+    cfg = Config.from_dict({"model_name": "x", "token_processor_config": {"block_size": 32, "hash_seed": "s"},
+                            "kv_events_config": {"engines": [{"pod": "a", "endpoint": "tcp://h:1", "dp_size": 2}]}})
+    p = tmp_path / "c.json"
+    p.write_bytes(cfg.to_json())
+    assert load_config(p) == cfg
+    y = tmp_path / "c.yaml"
+    y.write_text("model_name: x\ntoken_processor_config: {block_size: 32, hash_seed: s}\n"
+                 "kv_events_config:\n  engines:\n    - {pod: a, endpoint: 'tcp://h:1', dp_size: 2}\n")
+    assert load_config(y) == cfg
+    assert cfg.kv_events_config.engines[0].ranks()[1] == (1, "tcp://h:2", None)
+
+
+@pytest.mark.parametrize("bad", [
+    {"token_processor_config": {"block_sise": 16}},
+    {"token_processor_config": {"block_size": 0}},
+    {"token_processor_config": {"algorithm": "md5"}},
+    {"kv_events_config": {"engines": [{"endpoint": "tcp://h:1"}]}},
+    {"kv_events_config": {"engines": [{"pod": "a", "endpoint": "tcp://h:1", "dp_size": 0}]}},
+    {"scorer_config": {"weights": {"prefix": -1}}},
+])
+def test_config_rejects_bad_values(bad):
+    with pytest.raises((msgspec.ValidationError, ValueError)):
+        Indexer(Config.from_dict(bad))
+
+
+def test_config_yaml_must_be_mapping():
+    with pytest.raises(ValueError):
+        Config.from_yaml("- a\n- b\n")
+    assert Config.from_yaml("") == Config()
+    assert Config.from_json(json.dumps({"model_name": "q"})).model_name == "q"
+
+
+def test_score_prefers_longer_prefix_and_explains():
+    ix = indexer()
+    store(ix, "a", 3)
+    store(ix, "b", 7)
+    r = ix.score(TOKENS + [99, 98])
+    assert r.request_blocks == 10
+    assert r.pod == "b"
+    assert r.prefix["b"].matched_tokens == 28 and r.prefix["a"].matched_tokens == 12
+    assert r.prefix["a"].coverage == pytest.approx(0.3)
+    assert "chosen=b" in r.explain()
+
+
+def test_score_tier_weight_and_load():
+    ix = indexer()
+    store(ix, "a", 5, tier=CPU)
+    store(ix, "b", 5)
+    assert ix.score(TOKENS).pod == "b"  # same blocks, gpu beats cpu
+    ix.update_load("b", LoadSnapshot(kv_usage=0.95, waiting=30))
+    ix.update_load("a", LoadSnapshot(kv_usage=0.1, waiting=0))
+    r = ix.score(TOKENS)
+    assert r.pod == "a"
+    assert r.choice.explanation["b"].waiting == 30
+
+
+def test_score_short_prompt_and_no_candidates():
+    ix = indexer()
+    r = ix.score([1, 2, 3])
+    assert r.request_blocks == 0 and r.pod is None and r.prefix == {}
+    assert "no candidate" in r.explain()
+    r = ix.score([1, 2, 3], pods=["a", "b"])
+    assert r.pod == "a" and r.prefix["b"].matched_blocks == 0
+    with pytest.raises(TypeError):
+        ix.score(TOKENS, pods="ab")
+
+
+def test_route_counts_in_flight_and_speculates():
+    ix = indexer(speculative_ttl=30.0)
+    r = ix.route(TOKENS, pods=["a", "b"])
+    assert ix.loads()[r.pod].in_flight == 1
+    # the same prompt again: the speculative blocks make the chosen pod hold the whole prefix
+    again = ix.score(TOKENS, pods=["a", "b"])
+    assert again.prefix[r.pod].matched_blocks == 10
+    ix.request_finished(r.pod)
+    ix.request_finished(r.pod)
+    assert ix.loads()[r.pod].in_flight == 0
