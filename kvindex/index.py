@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
+from itertools import takewhile
 from typing import NamedTuple
 
 import msgspec
@@ -169,6 +170,8 @@ class KVBlockIndex:
         self._lock = threading.RLock()
         # level 1: request key -> pod -> _PodBlock
         self._blocks: OrderedDict[int, dict[str, _PodBlock]] = OrderedDict()
+        # the same masks by pod: pod -> request key -> tier mask (OR over ranks), for the read path
+        self._pod_masks: dict[str, dict[int, int]] = {}
         # level 2: engine key -> [request key, number of (pod, rank) holders]
         self._engine: dict[int, list[int]] = {}
         # reverse: (pod, rank) -> engine key -> request key
@@ -312,8 +315,10 @@ class KVBlockIndex:
                     n += 1
                     if pb.ranks:
                         pb.refresh()
+                        self._pod_masks[pod][rk] = pb.mask
                     else:
                         del pods[pod]
+                        self._drop_pod_mask(pod, rk)
                         if not pods:
                             del self._blocks[rk]
             self._drop_orphans_of(pod, dp_rank)
@@ -373,47 +378,55 @@ class KVBlockIndex:
             pod -> list of tier bit masks (see :mod:`kvindex.tiers`), one per
             block of that pod's prefix from block 0 (a pod holds a block when
             any of its DP ranks does; speculative entries count as gpu).  Pods
-            matching no block are absent.  Stops once no candidate continues.
+            matching no block are absent.  Each pod's walk stops at its first
+            missing block.  The keys of the longest match count as used for
+            the LRU bound.
         """
         out: dict[str, list[int]] = {}
         if len(request_keys) == 0:
             return out
-        keys = request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys
+        keys = request_keys.tolist() if hasattr(request_keys, "tolist") else list(request_keys)
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
-            blocks = self._blocks
-            spec = self._spec
-            active: list[str] | None = None if pods is None else list(pods)
-            for rk in keys:
-                held = blocks.get(rk)
-                sp = spec.get(rk) if spec else None
-                if held is None and sp is None:
+            candidates = self._pod_masks.keys() | self._spec_by_pod.keys() if pods is None else pods
+            longest = 0
+            speculative = False
+            for pod in candidates:
+                pm = self._pod_masks.get(pod)
+                if self._spec_by_pod.get(pod):
+                    speculative = True
+                    masks = self._walk_with_speculative(pod, pm or {}, keys)
+                elif pm is None:
+                    continue
+                else:
+                    # C-speed walk: dict lookups until the first missing key
+                    masks = list(takewhile(bool, map(pm.get, keys)))
+                if masks:
+                    out[pod] = masks
+                    longest = max(longest, len(masks))
+            if longest:
+                blocks = self._blocks
+                if speculative:
+                    for rk in keys[:longest]:
+                        if rk in blocks:
+                            blocks.move_to_end(rk)
+                else:  # every matched key is in level 1: touch them at C speed
+                    deque(map(blocks.move_to_end, keys[:longest]), maxlen=0)
+        return out
+
+    def _walk_with_speculative(self, pod: str, pm: dict[int, int], keys: list[int]) -> list[int]:
+        spec = self._spec
+        masks: list[int] = []
+        for rk in keys:
+            m = pm.get(rk)
+            if m is None:
+                holders = spec.get(rk)
+                if holders is None or pod not in holders:
                     break
-                if held is not None:
-                    blocks.move_to_end(rk)
-                if active is None:
-                    active = list(held or ()) + [p for p in (sp or ()) if not held or p not in held]
-                    for p in active:
-                        out[p] = []
-                still: list[str] = []
-                for p in active:
-                    pb = held.get(p) if held is not None else None
-                    if pb is not None:
-                        mask = pb.mask
-                    elif sp is not None and p in sp:
-                        mask = _GPU_BIT
-                    else:
-                        continue
-                    lst = out.get(p)
-                    if lst is None:
-                        lst = out[p] = []
-                    lst.append(mask)
-                    still.append(p)
-                if not still:
-                    break
-                active = still
-        return {p: m for p, m in out.items() if m}
+                m = _GPU_BIT
+            masks.append(m)
+        return masks
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
         """Every holder of each key: one tuple of :class:`PodEntry` per key.
@@ -448,8 +461,7 @@ class KVBlockIndex:
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
         with self._lock:
-            real = {s[0] for s, m in self._streams.items() if m}
-            return frozenset(real | {p for p, keys in self._spec_by_pod.items() if keys})
+            return frozenset(self._pod_masks.keys() | {p for p, keys in self._spec_by_pod.items() if keys})
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
@@ -537,6 +549,10 @@ class KVBlockIndex:
                     self._unref_engine(entry[1])
                 entry[1] = ek
         pb.mask |= bit
+        pm = self._pod_masks.get(pod)
+        if pm is None:
+            pm = self._pod_masks[pod] = {}
+        pm[rk] = pb.mask
         if stream.get(ek) != rk:
             stream[ek] = rk
             if not self._compat:
@@ -587,11 +603,20 @@ class KVBlockIndex:
                 self._unref_engine(ek)
             if not pb.ranks:
                 del pods[pod]
+                self._drop_pod_mask(pod, rk)
                 if not pods:
                     del self._blocks[rk]
                 return True
         pb.refresh()
+        self._pod_masks[pod][rk] = pb.mask
         return True
+
+    def _drop_pod_mask(self, pod: str, rk: int) -> None:
+        pm = self._pod_masks.get(pod)
+        if pm is not None:
+            pm.pop(rk, None)
+            if not pm:
+                del self._pod_masks[pod]
 
     def _unref_engine(self, ek: int) -> None:
         if self._compat:
@@ -605,6 +630,7 @@ class KVBlockIndex:
     def _evict_one(self) -> None:
         rk, pods = self._blocks.popitem(last=False)
         for pod, pb in pods.items():
+            self._drop_pod_mask(pod, rk)
             for rank, (_mask, ek) in pb.ranks.items():
                 stream = self._streams.get((pod, rank))
                 if stream is not None and stream.get(ek) == rk:
