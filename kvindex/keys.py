@@ -61,9 +61,8 @@ str, bytes is bin).
                z = (z ^ (z >> 27)) * 0x94D049BB133111EB
                return z ^ (z >> 31)
 
-   drawn in this order: ``A = next() | 1``, ``C1 = next()``, ``C2 = next()``,
-   ``E = next() | 1``, ``D = next()``, then ``K[t] = next() | 1`` for
-   ``t = 0 .. block_size - 1``.
+   drawn in this order: ``A = next() | 1``, ``E = next() | 1``,
+   ``D = next()``, then ``K[t] = next() | 1`` for ``t = 0 .. block_size - 1``.
 3. ``fmix64(x)`` (MurmurHash3's finaliser, a bijection)::
 
        x ^= x >> 33; x *= 0xFF51AFD7ED558CCD
@@ -75,19 +74,31 @@ str, bytes is bin).
 5. Block ``i`` with tokens ``x[i*bs .. i*bs+bs-1]`` and extras ``X_i``::
 
        u_i = sum_t x[i*bs+t] * K[t]   (+ E * xxh3_64(msgpack(X_i)) if X_i is non-empty)
-       v_i = fmix64(u_i ^ C1)
-       S_{-1} = R;   S_i = A * S_{i-1} + v_i
-       key_i = fmix64(S_i ^ C2)
+       v_i = fmix64(u_i)
+       key_{-1} = R;   key_i = A * key_{i-1} + v_i
 
    where ``X_i`` is the list of block i's extras as given (a multimodal pair is
    a 2-element array ``[identifier, offset]``), with the salt already placed in
    block 0.
 
 The recurrence is evaluated without a loop: with ``Ainv = A**-1 mod 2**64``,
-``S_i = A**i * (A*R + sum_{j<=i} v_j * Ainv**j)`` (a cumulative sum and two
-power tables grown on demand).  Because ``fmix64`` is invertible, ``S_i`` is
-recoverable from ``key_i`` alone, which is how :meth:`TokenProcessor.chain`
-continues a chain from an event's parent key without knowing its position.
+``key_i = A**i * (A*R + sum_{j<=i} v_j * Ainv**j)`` (a cumulative sum and two
+power tables grown on demand).  The key is the whole chain state, so
+:meth:`TokenProcessor.chain` continues from an event's parent key without
+knowing its position.
+
+Why this is enough: ``u_i`` is a seed-keyed linear hash of the block (two
+given blocks that differ collide only if ``sum_t (x_t - x'_t) * K[t]`` is 0
+mod 2**64, which for seed-derived odd multipliers happens with probability
+about 2**-64, times 2**k when every difference is a multiple of 2**k);
+``fmix64`` turns it into a well-mixed, *nonlinear* value, so the linear chain
+cannot line differences of several blocks up; and the chain step
+``k -> A*k + v`` is a bijection of the previous key for fixed block content:
+two sequences whose keys differ at block ``i-1`` and that share block ``i``
+also differ at block ``i``, and two scopes differ at every depth
+(``A**(i+1) * (R - R')`` is never 0).  A finaliser on the output would add no
+collision resistance (it would be a bijection) and cost about a quarter of the
+time, since at these sizes the cost is numpy calls, not data.
 
 .. _compat:
 
@@ -160,8 +171,6 @@ DEFAULT_ENGINE_HASH_SEED: Final = "vllm-none-hash"
 _M64: Final = (1 << 64) - 1
 _FMIX_M1: Final = 0xFF51AFD7ED558CCD
 _FMIX_M2: Final = 0xC4CEB9FE1A85EC53
-_FMIX_M1_INV: Final = pow(_FMIX_M1, -1, 1 << 64)
-_FMIX_M2_INV: Final = pow(_FMIX_M2, -1, 1 << 64)
 _U33: Final = np.uint64(33)
 _NP_M1: Final = np.uint64(_FMIX_M1)
 _NP_M2: Final = np.uint64(_FMIX_M2)
@@ -198,15 +207,6 @@ def _fmix64(x: int) -> int:
     x = (x * _FMIX_M1) & _M64
     x ^= x >> 33
     x = (x * _FMIX_M2) & _M64
-    return x ^ (x >> 33)
-
-
-def _fmix64_inv(x: int) -> int:
-    """Inverse of :func:`_fmix64` (x ^= x >> 33 is its own inverse)."""
-    x ^= x >> 33
-    x = (x * _FMIX_M2_INV) & _M64
-    x ^= x >> 33
-    x = (x * _FMIX_M1_INV) & _M64
     return x ^ (x >> 33)
 
 
@@ -439,17 +439,13 @@ class TokenProcessor:
         )
         draws = []
         state = seed
-        for _ in range(5 + block_size):
+        for _ in range(3 + block_size):
             state, out = _splitmix64(state)
             draws.append(out)
         self._A = draws[0] | 1
-        self._C1 = draws[1]
-        self._C2 = draws[2]
-        self._E = draws[3] | 1
-        self._D = draws[4]
-        self._K = np.array([k | 1 for k in draws[5:]], dtype=np.uint64)
-        self._np_C1 = np.uint64(self._C1)
-        self._np_C2 = np.uint64(self._C2)
+        self._E = draws[1] | 1
+        self._D = draws[2]
+        self._K = np.array([k | 1 for k in draws[3:]], dtype=np.uint64)
         self._np_E = np.uint64(self._E)
         self._Ainv = pow(self._A, -1, 1 << 64)
         self._powers: tuple[np.ndarray, np.ndarray] = self._make_powers(_INITIAL_POWERS)
@@ -571,7 +567,7 @@ class TokenProcessor:
             pk = int(parent_key)
             if not 0 <= pk <= _M64:
                 raise ValueError(f"parent_key must be in [0, 2**64), got {pk}")
-            state = _fmix64_inv(pk) ^ self._C2
+            state = pk
         if n == 0:
             return _EMPTY.copy()
         return self._xxh3_keys(state, toks, n, extras)
@@ -673,16 +669,13 @@ class TokenProcessor:
             except (TypeError, OverflowError) as e:
                 raise TypeError(f"extra keys cannot be encoded: {e}") from e
             u[idx] += np.array(digs, dtype=np.uint64) * self._np_E
-        tmp = np.empty_like(u)
-        _xor(u, self._np_C1, out=u)
-        v = _fmix64_inplace(u, tmp)
+        v = _fmix64_inplace(u)
         p, q = self._powers_for(n)
         _mul(v, q[:n], out=v)
+        # fold A*R into the first term (q[0] == 1) instead of a pass over v
+        v[0] = (int(v[0]) + self._A * state) & _M64
         np.cumsum(v, out=v)
-        np.add(v, np.uint64((self._A * state) & _M64), out=v)
-        _mul(v, p[:n], out=v)
-        _xor(v, self._np_C2, out=v)
-        return _fmix64_inplace(v, tmp)
+        return _mul(v, p[:n], out=v)
 
     # -- compat internals ------------------------------------------------------
 
