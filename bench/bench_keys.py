@@ -103,10 +103,12 @@ def main() -> None:
         times = median_us(cases, args.seconds * len(cases))
         for name, (us, best) in times.items():
             rows.append({"tokens": size, "blocks": size // BLOCK_SIZE, "impl": name,
-                         "median_us": us, "min_us": best, "x_peer": times[peer_name][0] / us})
+                         "median_us": us, "min_us": best,
+                         "x_peer": times[peer_name][0] / us})
 
     print(f"request_keys, block size {BLOCK_SIZE}; median us per call; x peer = peer time / ours")
-    print(f"{'tokens':>7} {'blocks':>6}  {'implementation':<38} {'median us':>10} {'min us':>9} {'x peer':>7}")
+    print(f"{'tokens':>7} {'blocks':>6}  {'implementation':<38} "
+          f"{'median us':>10} {'min us':>9} {'x peer':>7}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['blocks']:>6}  {r['impl']:<38} {r['median_us']:>10.1f} "
               f"{r['min_us']:>9.1f} {r['x_peer']:>7.2f}")
