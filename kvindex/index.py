@@ -45,7 +45,7 @@ from typing import NamedTuple
 import msgspec
 from sortedcontainers import SortedList
 
-from kvindex.keys import TokenProcessor
+from kvindex.keys import TokenProcessor, extra_keys_from_event
 from kvindex.tiers import GPU, tier_bit, tier_names
 
 __all__ = ["PodEntry", "IndexStats", "KVBlockIndex"]
@@ -124,7 +124,7 @@ class _Orphan(NamedTuple):
     engine_keys: tuple[int, ...]
     token_ids: Sequence[int]
     tier: int
-    extra_keys: tuple | None
+    extra_keys: list | None
     lora_name: str | None
     model: str | None
 
@@ -256,7 +256,12 @@ class KVBlockIndex:
                 raise ValueError(
                     f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}"
                 )
-            extras = _strip_lora(extra_keys, lora_name, len(engine_keys))
+            extras = extra_keys_from_event(extra_keys, lora_name)
+            if extras is not None:
+                if len(extras) != len(engine_keys):
+                    raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
+                if all(e is None for e in extras):
+                    extras = None
             if self._compat:
                 for ek in engine_keys:
                     self._put(pod, dp_rank, ek, ek, bit)
@@ -675,19 +680,3 @@ class KVBlockIndex:
                 if mine is not None:
                     mine.discard(rk)
                 self._c["speculative_expired"] += 1
-
-
-def _strip_lora(
-    extra_keys: Sequence[Sequence | None] | None, lora_name: str | None, n_blocks: int
-) -> tuple | None:
-    """Per-block extras without the leading LoRA name vLLM puts first."""
-    if not extra_keys:
-        return None
-    if len(extra_keys) != n_blocks:
-        raise ValueError(f"{len(extra_keys)} extra_keys entries for {n_blocks} blocks")
-    out = []
-    for e in extra_keys:
-        if e and lora_name is not None and e[0] == lora_name:
-            e = e[1:]
-        out.append(tuple(e) if e else None)
-    return tuple(out) if any(x is not None for x in out) else None

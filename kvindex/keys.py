@@ -146,6 +146,7 @@ import hashlib
 import pickle
 import threading
 from collections.abc import Mapping, Sequence
+from operator import mul as _imul
 from typing import Any, Final
 
 import cbor2
@@ -180,6 +181,8 @@ _xor: Final = np.bitwise_xor
 _mul: Final = np.multiply
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _INITIAL_POWERS: Final = 1024
+#: chain() of up to this many blocks given as a list/tuple runs on Python ints
+_SCALAR_MAX_BLOCKS: Final = 4
 _MAX_ROOTS: Final = 4096
 
 # Tags vLLM puts inside its hash (shared constant objects, like vLLM's literals).
@@ -447,6 +450,7 @@ class TokenProcessor:
         self._D = draws[2]
         self._K = np.array([k | 1 for k in draws[3:]], dtype=np.uint64)
         self._np_E = np.uint64(self._E)
+        self._K_list = [int(k) for k in self._K]
         self._Ainv = pow(self._A, -1, 1 << 64)
         self._powers: tuple[np.ndarray, np.ndarray] = self._make_powers(_INITIAL_POWERS)
         self._roots: dict[tuple[str | None, str | None], int] = {}
@@ -535,13 +539,17 @@ class TokenProcessor:
         a multiple of the block size, a parent key out of range or a wrong
         number of extras entries; TypeError for wrong types.
         """
-        toks = _tokens_to_u64(tokens)
         bs = self.block_size
-        if toks.shape[0] % bs:
-            raise ValueError(
-                f"chain() needs whole blocks: {toks.shape[0]} tokens is not a multiple of {bs}"
-            )
-        n = toks.shape[0] // bs
+        scalar = (
+            isinstance(tokens, (list, tuple))
+            and len(tokens) <= _SCALAR_MAX_BLOCKS * bs
+            and not self.engine_compatible
+        )
+        # the event path's common case, a few blocks given as a list/tuple, runs on Python ints
+        toks = tokens if scalar else _tokens_to_u64(tokens)
+        if len(toks) % bs:
+            raise ValueError(f"chain() needs whole blocks: {len(toks)} tokens is not a multiple of {bs}")
+        n = len(toks) // bs
         extras = _normalise_extras(block_extra_keys, n, (n,), None)
         if isinstance(parent_key, bool) or not (
             parent_key is None or isinstance(parent_key, (int, bytes, np.integer))
@@ -561,6 +569,7 @@ class TokenProcessor:
             )
         if isinstance(parent_key, bytes):
             raise TypeError("xxh3_chain parent keys are ints")
+
         if parent_key is None:
             state = self._root(model, lora)
         else:
@@ -570,6 +579,8 @@ class TokenProcessor:
             state = pk
         if n == 0:
             return _EMPTY.copy()
+        if scalar:
+            return self._xxh3_keys_scalar(state, toks, n, extras)
         return self._xxh3_keys(state, toks, n, extras)
 
     def engine_digests(
@@ -676,6 +687,29 @@ class TokenProcessor:
         v[0] = (int(v[0]) + self._A * state) & _M64
         np.cumsum(v, out=v)
         return _mul(v, p[:n], out=v)
+
+    def _xxh3_keys_scalar(
+        self,
+        state: int,
+        tokens: Sequence[int],
+        n: int,
+        extras: list[tuple[Any, ...] | None] | None,
+    ) -> np.ndarray:
+        """The same recurrence as :meth:`_xxh3_keys`, block by block on Python ints."""
+        toks = array.array("Q", tokens)  # validates ints in [0, 2**64) in C
+        bs, K, A, E = self.block_size, self._K_list, self._A, self._E
+        out = []
+        for i in range(n):
+            u = sum(map(_imul, toks[i * bs : (i + 1) * bs], K)) & _M64
+            if extras is not None and extras[i] is not None:
+                try:
+                    d = xxhash.xxh3_64_intdigest(_ENCODER.encode(extras[i]))
+                except (TypeError, OverflowError) as e:
+                    raise TypeError(f"extra keys cannot be encoded: {e}") from e
+                u = (u + E * d) & _M64
+            state = (A * state + _fmix64(u)) & _M64
+            out.append(state)
+        return np.array(out, dtype=np.uint64)
 
     # -- compat internals ------------------------------------------------------
 
