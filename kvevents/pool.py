@@ -92,9 +92,10 @@ class PoolStats(msgspec.Struct, frozen=True):
 
     messages: messages taken from the queues; batches: batches applied (live and
     replayed); events / blocks_stored / blocks_removed / clears: what they
-    carried; decode_errors: messages or events that failed to decode or apply;
-    errors_by_kind: the same per kind; gaps: seq gaps seen; gaps_unrecovered:
-    gaps a replay could not fill (no endpoint, timeout, or the engine's buffer
+    carried; decode_errors: messages or events that failed to decode or apply
+    (events of a type this library does not know count as kind
+    ``unknown_event``); errors_by_kind: the same per kind; gaps: seq gaps
+    seen; gaps_unrecovered: gaps a replay could not fill (no endpoint, timeout, or the engine's buffer
     no longer held them); replay_requests / replayed_batches: replays asked and
     batches they returned; duplicates: batches skipped as already applied;
     restarts: engine restarts detected (seq went back); dropped_messages: lost
@@ -326,6 +327,11 @@ class _Shard:
                     c.clears += 1
             except (ValueError, TypeError) as exc:
                 self._error("apply", f"pod {pod}: event not applied: {exc}")
+        if batch.skipped_events:
+            self._error(
+                "unknown_event", f"pod {pod}: {batch.skipped_events} event(s) of an unknown type skipped",
+                batch.skipped_events,
+            )
 
     # -- replay
 
@@ -376,10 +382,10 @@ class _Shard:
                 self.c.resyncs += 1
                 self._replay(st, pod, rank, None, 0 if st.last is None else st.last + 1)
 
-    def _error(self, kind: str, msg: str) -> None:
+    def _error(self, kind: str, msg: str, n: int = 1) -> None:
         c = self.c
-        c.decode_errors += 1
-        c.errors_by_kind[kind] = c.errors_by_kind.get(kind, 0) + 1
+        c.decode_errors += n
+        c.errors_by_kind[kind] = c.errors_by_kind.get(kind, 0) + n
         self.pool.rlog.warn(kind, "kvevents: %s", msg)
 
 
