@@ -63,12 +63,15 @@ class TokenProcessorConfig(_Base, frozen=True):
         (reproduce the engines' own block hashes).
     engine_hash_seed: for the vllm_* algorithms, the engines' PYTHONHASHSEED
         (None: vLLM's default seed string).
+    lora_paths: for the vllm_* algorithms, LoRA adapter name -> the path the
+        engines loaded it from (vLLM hashes the path too).
     """
 
     block_size: int = 16
     hash_seed: int | str = 0
     algorithm: str = "xxh3_chain"
     engine_hash_seed: str | None = None
+    lora_paths: dict[str, str] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -90,6 +90,7 @@ class Indexer:
                 hash_seed=tpc.hash_seed,
                 algorithm=tpc.algorithm,
                 engine_hash_seed=tpc.engine_hash_seed,
+                lora_paths=tpc.lora_paths,
             )
         )
         mem = cfg.kv_block_index_config.in_memory_config
