@@ -127,6 +127,7 @@ class _Orphan(NamedTuple):
     extra_keys: list | None
     lora_name: str | None
     model: str | None
+    removed: set[int]  # engine keys a BlockRemoved took away while waiting
 
 
 _Stream = tuple[str, int]
@@ -179,6 +180,8 @@ class KVBlockIndex:
         # orphans: unknown parent engine key -> waiting stores
         self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
         self._orphan_blocks = 0
+        # (pod, rank, engine key) -> the waiting store holding that block
+        self._orphan_by_ek: dict[tuple[str, int, int], _Orphan] = {}
         # speculative: request key -> pod -> expiry; expiry order
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_order: SortedList = SortedList()
@@ -266,7 +269,7 @@ class KVBlockIndex:
                 for ek in engine_keys:
                     self._put(pod, dp_rank, ek, ek, bit)
                 return len(engine_keys)
-            item = _Orphan(pod, dp_rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model)
+            item = _Orphan(pod, dp_rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
             if parent_engine_key is None:
                 return self._attach(item, None)
             parent_rk = self._resolve(pod, dp_rank, parent_engine_key)
@@ -289,7 +292,12 @@ class KVBlockIndex:
             for ek in engine_keys:
                 rk = stream.get(ek) if stream is not None else None
                 if rk is None:
-                    self._c["unknown_removals"] += 1
+                    waiting = self._orphan_by_ek.get((pod, dp_rank, ek)) if self._orphan_by_ek else None
+                    if waiting is not None and waiting.tier & bit and ek not in waiting.removed:
+                        waiting.removed.add(ek)  # never attach a block the engine dropped meanwhile
+                        removed += 1
+                    else:
+                        self._c["unknown_removals"] += 1
                     continue
                 if self._drop_copy(pod, dp_rank, ek, rk, bit):
                     removed += 1
@@ -514,13 +522,14 @@ class KVBlockIndex:
                 prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys
             )
             for ek, rk in zip(it.engine_keys, rks.tolist()):
-                self._put(it.pod, it.dp_rank, ek, rk, it.tier)
-                attached += 1
+                if ek not in it.removed:
+                    self._put(it.pod, it.dp_rank, ek, rk, it.tier)
+                    attached += 1
                 waiting = self._orphans.pop(ek, None) if self._orphans else None
                 if waiting:
                     for w in waiting:
-                        self._orphan_blocks -= len(w.engine_keys)
-                        self._c["orphans_attached"] += len(w.engine_keys)
+                        self._forget_orphan(w)
+                        self._c["orphans_attached"] += len(w.engine_keys) - len(w.removed)
                         work.append((w, rk))
         return attached
 
@@ -647,21 +656,33 @@ class KVBlockIndex:
         n = len(item.engine_keys)
         self._orphans.setdefault(parent_ek, []).append(item)
         self._orphan_blocks += n
+        for ek in item.engine_keys:
+            self._orphan_by_ek[(item.pod, item.dp_rank, ek)] = item
         self._c["orphans"] += n
         while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
             _k, group = self._orphans.popitem(last=False)
-            dropped = sum(len(g.engine_keys) for g in group)
-            self._orphan_blocks -= dropped
-            self._c["orphans_dropped"] += dropped
+            for g in group:
+                self._forget_orphan(g)
+                self._c["orphans_dropped"] += len(g.engine_keys)
+
+    def _forget_orphan(self, item: _Orphan) -> None:
+        """Account for an orphan leaving the table (attached or dropped)."""
+        self._orphan_blocks -= len(item.engine_keys)
+        for ek in item.engine_keys:
+            key = (item.pod, item.dp_rank, ek)
+            if self._orphan_by_ek.get(key) is item:
+                del self._orphan_by_ek[key]
 
     def _drop_orphans_of(self, pod: str, dp_rank: int | None) -> None:
         for pk in list(self._orphans):
             group = self._orphans[pk]
             keep = [g for g in group if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank))]
-            dropped = sum(len(g.engine_keys) for g in group) - sum(len(g.engine_keys) for g in keep)
-            if dropped:
-                self._orphan_blocks -= dropped
-                self._c["orphans_dropped"] += dropped
+            if len(keep) != len(group):
+                kept = {id(g) for g in keep}
+                for g in group:
+                    if id(g) not in kept:
+                        self._forget_orphan(g)
+                        self._c["orphans_dropped"] += len(g.engine_keys)
                 if keep:
                     self._orphans[pk] = keep
                 else:

@@ -89,24 +89,26 @@ class Oracle:
     """What the index should hold: per (pod, rank) engine key -> tiers, plus waiting orphans."""
 
     held: dict[tuple[str, int], dict[int, set[str]]] = field(default_factory=dict)
-    pending: list[tuple[str, int, tuple[int, ...], int, str]] = field(default_factory=list)
+    # waiting stores: (pod, rank, engine keys, parent, tier, engine keys removed while waiting)
+    pending: list[tuple[str, int, tuple[int, ...], int, str, set]] = field(default_factory=list)
 
     def known(self, ek: int) -> bool:
         return any(ek in m for m in self.held.values())
 
     def store(self, pod, rank, eks, parent, tier) -> None:
         if parent is not None and not self.known(parent):
-            self.pending.append((pod, rank, tuple(eks), parent, tier))
+            self.pending.append((pod, rank, tuple(eks), parent, tier, set()))
             return
-        work = [(pod, rank, tuple(eks), tier)]
+        work = [(pod, rank, tuple(eks), tier, set())]
         while work:
-            pod_, rank_, eks_, tier_ = work.pop()
+            pod_, rank_, eks_, tier_, gone = work.pop()
             m = self.held.setdefault((pod_, rank_), {})
             for ek in eks_:
-                m.setdefault(ek, set()).add(tier_)
+                if ek not in gone:
+                    m.setdefault(ek, set()).add(tier_)
             released = [w for w in self.pending if w[3] in eks_]
             self.pending = [w for w in self.pending if w[3] not in eks_]
-            work.extend((w[0], w[1], w[2], w[4]) for w in released)
+            work.extend((w[0], w[1], w[2], w[4], w[5]) for w in released)
 
     def offload(self, pod, rank, eks, tier) -> None:
         for ek in eks:
@@ -117,6 +119,10 @@ class Oracle:
         m = self.held.get((pod, rank), {})
         for ek in eks:
             t = m.get(ek)
+            if t is None:  # a block still waiting for its parent is dropped from its store
+                for w in self.pending:
+                    if w[0] == pod and w[1] == rank and w[4] == tier and ek in w[2]:
+                        w[5].add(ek)
             if t is not None:
                 t.discard(tier)
                 if not t:

@@ -186,3 +186,16 @@ def test_engine_compatible_mode_uses_engine_keys():
     assert ix.lookup(rk[1:]) == [(PodEntry("a", GPU, 0), PodEntry("b", CPU, 0))]
     ix.clear("a")
     assert ix.prefix_match(rk) == {}
+
+
+def test_block_removed_while_waiting_for_parent_is_not_attached():
+    ix = KVBlockIndex(tp())
+    store_path(ix, "a", 0, 3, start=2)  # blocks 2..4 wait for block 1
+    assert ix.block_removed("a", 0, [1003], GPU) == 1  # the engine evicts block 3 meanwhile
+    assert ix.block_removed("a", 0, [1003], GPU) == 0
+    assert ix.stats().unknown_removals == 1
+    assert store_path(ix, "a", 0, 2) == 4  # blocks 0, 1 and the waiting 2 and 4
+    k = keys()
+    assert [bool(e) for e in ix.lookup(k[:5])] == [True, True, True, False, True]
+    assert ix.prefix_match(k) == {"a": [tier_bit(GPU)] * 3}
+    assert ix.stats().orphans_attached == 2
