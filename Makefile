@@ -26,6 +26,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
+	$(PY) bench/bench_index.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis
