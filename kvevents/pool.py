@@ -151,10 +151,14 @@ class RateLimitedLog:
 class _Stream:
     """Sequence state of one publisher stream (pod, DP rank)."""
 
-    __slots__ = ("last", "replayed", "replay_max", "replay_endpoint", "engine")
+    __slots__ = ("last", "last_ts", "suspect", "replayed", "replay_max", "replay_endpoint", "engine")
 
     def __init__(self, replay_endpoint: str | None, engine: str) -> None:
         self.last: int | None = None
+        self.last_ts: float | None = None
+        # the publisher's connection dropped since the last applied batch: it
+        # may be a new process whose seq has already passed ours
+        self.suspect = False
         # seq -> engine ts of batches a replay applied that the live stream
         # may still deliver; cleared once the live stream is past them
         self.replayed: dict[int, float] = {}
@@ -175,6 +179,11 @@ class _Bootstrap(NamedTuple):
 
 class _Forget(NamedTuple):
     pod: str
+
+
+class _Disconnected(NamedTuple):
+    pod: str
+    dp_rank: int
 
 
 _STOP = object()
@@ -235,6 +244,10 @@ class _Shard:
             item.done.set()
         elif isinstance(item, _Bootstrap):
             self._bootstrap(item)
+        elif isinstance(item, _Disconnected):
+            st = self.streams.get((item.pod, item.dp_rank))
+            if st is not None and st.last is not None:
+                st.suspect = True
         elif isinstance(item, _Forget):
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
@@ -274,16 +287,16 @@ class _Shard:
         self, st: _Stream, source: Source, pod: str, rank: int, model: str | None, seq: int, batch: EventBatch
     ) -> None:
         c = self.c
+        if st.suspect:
+            st.suspect = False
+            if seq != st.last + 1 and not self._same_process(st, pod, rank, seq, batch):
+                self._restarted(st, pod, rank, f"seq {seq} after {st.last}, following a disconnect")
         if st.last is not None and seq <= st.last:
             if st.replayed.get(seq) == batch.ts:
                 c.duplicates += 1
                 return
             # the publisher went back: a new engine process
-            c.restarts += 1
-            self.pool.rlog.warn("restart", "pod %s rank %s restarted (seq %s after %s); clearing", pod, rank, seq, st.last)
-            self.pool.index.clear(pod, rank)
-            st.last = None
-            st.replayed.clear()
+            self._restarted(st, pod, rank, f"seq {seq} after {st.last}")
         gap = False
         if st.last is None:
             if seq > 0 and st.replay_endpoint is not None:
@@ -305,10 +318,48 @@ class _Shard:
         if st.replayed and seq > st.replay_max:
             st.replayed.clear()  # the live stream is past everything a replay applied
 
+    def _restarted(self, st: _Stream, pod: str, rank: int, why: str) -> None:
+        """A new engine process: forget the stream's blocks and sequence."""
+        self.c.restarts += 1
+        self.pool.rlog.warn("restart", "pod %s rank %s restarted (%s); clearing", pod, rank, why)
+        self.pool.index.clear(pod, rank)
+        st.last = st.last_ts = None
+        st.replayed.clear()
+
+    def _same_process(self, st: _Stream, pod: str, rank: int, seq: int, batch: EventBatch) -> bool:
+        """After a disconnect, is the publisher still the process whose batch ``st.last`` we applied?
+
+        With a replay endpoint: ask for batches from ``st.last``; the same
+        process still has that batch with the same engine timestamp (unless
+        over ``buffer_steps`` batches went by, which is treated as a restart:
+        too much was missed to trust the stream).  Without one: only a
+        message that continues the sequence exactly counts as the same process.
+        """
+        if st.replay_endpoint is None:
+            return False
+        self.c.replay_requests += 1
+        try:
+            for topic, seq_frame, payload in self.replay.request(st.replay_endpoint, st.last):
+                if topic is not None and parse_topic(topic)[0] not in (None, pod):
+                    continue
+                decoded = self._decode(Source(pod=pod, engine=st.engine, dp_rank=rank), seq_frame, payload)
+                if decoded is None:
+                    continue
+                r_seq, r_batch = decoded
+                if r_batch.dp_rank is not None and r_batch.dp_rank != rank:
+                    continue
+                # only the first batch matters; closing the generator discards the rest
+                return r_seq == st.last and r_batch.ts == st.last_ts
+            return False
+        except TimeoutError:
+            self._error("replay_timeout", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} timed out")
+            return False  # unverifiable: forget rather than predict blocks the engine may not hold
+
     def _apply(self, st: _Stream, pod: str, rank: int, model: str | None, seq: int, batch: EventBatch) -> None:
         c = self.c
         index = self.pool.index
         st.last = seq
+        st.last_ts = batch.ts
         c.batches += 1
         for ev in batch.events:
             c.events += 1
@@ -490,6 +541,15 @@ class EventPool:
         index started after its engines rebuilds what they still buffer.
         """
         self._shards[self.shard_of(pod)].queue.put(_Bootstrap(source, pod, dp_rank))
+
+    def disconnected(self, pod: str, dp_rank: int = 0) -> None:
+        """Note that the connection to (pod, dp_rank)'s publisher dropped.
+
+        The stream's next message is then checked against the engine before it
+        is applied (see ``_same_process``): an engine that restarted and
+        published past our last seq before we reconnected is still detected.
+        """
+        self._shards[self.shard_of(pod)].queue.put(_Disconnected(pod, dp_rank))
 
     def forget_pod(self, pod: str) -> None:
         """Queue the removal of a pod: its streams and all its index entries."""

@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.pool import EventPool, RawMessage, Source
 
@@ -134,7 +135,9 @@ class Subscriber:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._monitors: dict[zmq.Socket, tuple[zmq.Socket, str, int]] = {}
         self.received = 0
+        self.disconnects = 0
 
     # -- lifecycle
 
@@ -193,6 +196,10 @@ class Subscriber:
             source = Source(pod=eng.pod, engine=eng.engine, replay=replay, dp_rank=rank, model=eng.model)
             sockets[sock] = source
             owners.setdefault(eng.pod, []).append(sock)
+            # a dropped connection may be an engine restart: the pool checks the next message
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[monitor] = (sock, eng.pod, rank)
+            owners[eng.pod].append(monitor)
             if replay is not None:
                 self.pool.bootstrap(source, eng.pod, rank)
 
@@ -218,7 +225,7 @@ class Subscriber:
                 return
             finally:
                 self._ready.set()
-            for s in sockets:
+            for s in list(sockets) + list(self._monitors):
                 poller.register(s, zmq.POLLIN)
             submit = self.pool.submit
             while not self._stop.is_set():
@@ -226,6 +233,7 @@ class Subscriber:
                 for sock, _ev in poller.poll(50):
                     source = sockets.get(sock)
                     if source is None:
+                        self._on_monitor(sock)
                         continue
                     for _ in range(1000):  # bounded burst per socket per poll
                         try:
@@ -238,8 +246,31 @@ class Subscriber:
                             continue
                         submit(RawMessage(source, frames[0], frames[1], frames[2]))
         finally:
+            for mon, (s, _pod, _rank) in list(self._monitors.items()):
+                self._close_monitor(mon)
             for s in sockets:
                 s.close(linger=0)
+
+    def _on_monitor(self, mon: zmq.Socket) -> None:
+        entry = self._monitors.get(mon)
+        if entry is None:
+            return
+        try:
+            while mon.poll(0):
+                event = recv_monitor_message(mon, zmq.NOBLOCK)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self.disconnects += 1
+                    self.pool.disconnected(entry[1], entry[2])
+        except zmq.ZMQError as exc:
+            log.warning("socket monitor for %s failed: %s", entry[1], exc)
+
+    def _close_monitor(self, mon: zmq.Socket) -> None:
+        sock = self._monitors.pop(mon)[0]
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        mon.close(linger=0)
 
     def _drain_commands(
         self, sockets: dict[zmq.Socket, Source], owners: dict[str, list[zmq.Socket]], poller: zmq.Poller
@@ -250,16 +281,22 @@ class Subscriber:
             except queue.Empty:
                 return
             if cmd == "add":
-                before = set(sockets)
+                before = set(sockets) | set(self._monitors)
                 try:
                     self._open(sockets, owners, arg)
                 except zmq.ZMQError as exc:
                     log.error("cannot subscribe to %s: %s", arg.endpoint, exc)
-                for s in set(sockets) - before:
+                for s in (set(sockets) | set(self._monitors)) - before:
                     poller.register(s, zmq.POLLIN)
             elif cmd == "remove":
-                for s in owners.pop(arg, []):
+                owned = owners.pop(arg, [])
+                for s in owned:
                     poller.unregister(s)
-                    sockets.pop(s, None)
-                    s.close(linger=0)
+                for s in owned:
+                    if s in self._monitors:
+                        self._close_monitor(s)
+                for s in owned:
+                    if s in sockets:
+                        sockets.pop(s)
+                        s.close(linger=0)
                 self.pool.forget_pod(arg)

@@ -403,6 +403,47 @@ def test_engine_restart_drops_old_state_of_that_pod_only(make_rig: Callable[...,
     rig.check(b)
 
 
+@pytest.mark.parametrize("replay", [True, False])
+def test_restart_detected_when_new_seq_passes_the_old_one(make_rig: Callable[..., Rig], replay: bool) -> None:
+    """The new process publishes beyond our last seq before we hear from it: the
+    disconnect makes the pool check its next message instead of taking it for a gap."""
+    rig = make_rig("chain")
+    a = rig.engine("pod-a", capacity=200, replay=replay)
+    rig.subscribe([a])
+    rig.join(a)
+    prompts = Prompts(500)
+    for _ in range(3):
+        rig.serve(a, prompts.next())
+    rig.sync(a)
+    old_a = rig.index_view("pod-a")
+    last = rig.last_seq("pod-a")
+    assert old_a and last is not None
+
+    a.restart()
+    wait_until(lambda: rig.sub.disconnects >= 1, "disconnect noticed")
+    rig.served["pod-a"] = []
+    hidden = last + 3
+    a.drop_next(hidden)  # lost while reconnecting: the first message we see has seq > last + 1
+    fresh = Prompts(501)
+    for _ in range(hidden):
+        rig.serve(a, fresh.next())
+    deadline = time.monotonic() + 15.0
+    while rig.last_seq("pod-a") == last:  # the SUB reconnects to the rebound PUB by itself
+        assert time.monotonic() < deadline, "no message from the restarted engine"
+        rig.serve(a, fresh.next())
+        inner = time.monotonic() + 0.3
+        while rig.last_seq("pod-a") == last and time.monotonic() < inner:
+            time.sleep(0.005)
+    rig.sync(a)
+    assert rig.pool.stats().restarts == 1
+    now = rig.index_view("pod-a")
+    assert not set(old_a) & set(now), "old blocks of the restarted pod must be gone"
+    if replay:
+        rig.check(a)  # everything the new process published, replayed from seq 0
+    else:
+        assert set(now) <= set(rig.engine_view(a))  # blocks whose parents were lost wait as orphans
+
+
 # ---------------------------------------------------------------- 4. late subscriber
 
 
