@@ -173,6 +173,12 @@ class KVBlockIndex:
         self._blocks: OrderedDict[int, dict[str, _PodBlock]] = OrderedDict()
         # the same masks by pod: pod -> request key -> tier mask (OR over ranks), for the read path
         self._pod_masks: dict[str, dict[int, int]] = {}
+        # pod -> one bit (assigned on first sight, never reused); request key ->
+        # OR of the bits of the pods holding it; pod -> its keys held in
+        # anything but gpu alone (0: every mask of that pod is the gpu bit)
+        self._pod_bits: dict[str, int] = {}
+        self._holders: dict[int, int] = {}
+        self._mixed: dict[str, int] = {}
         # level 2: engine key -> [request key, number of (pod, rank) holders]
         self._engine: dict[int, list[int]] = {}
         # reverse: (pod, rank) -> engine key -> request key
@@ -328,7 +334,7 @@ class KVBlockIndex:
                     n += 1
                     if pb.ranks:
                         pb.refresh()
-                        self._pod_masks[pod][rk] = pb.mask
+                        self._set_pod_mask(pod, rk, pb.mask)
                     else:
                         del pods[pod]
                         self._drop_pod_mask(pod, rk)
@@ -405,19 +411,28 @@ class KVBlockIndex:
             candidates = self._pod_masks.keys() | self._spec_by_pod.keys() if pods is None else pods
             longest = 0
             speculative = False
+            walk: list[str] = []
             for pod in candidates:
-                pm = self._pod_masks.get(pod)
                 if self._spec_by_pod.get(pod):
                     speculative = True
-                    masks = self._walk_with_speculative(pod, pm or {}, keys)
-                elif pm is None:
-                    continue
-                else:
+                    masks = self._walk_with_speculative(pod, self._pod_masks.get(pod) or {}, keys)
+                    if masks:
+                        out[pod] = masks
+                        longest = max(longest, len(masks))
+                elif pod in self._pod_masks:
+                    walk.append(pod)
+            if len(walk) > 2:
+                for pod, n in self._walk_holders(walk, keys).items():
+                    pm = self._pod_masks[pod]
+                    out[pod] = [_GPU_BIT] * n if not self._mixed[pod] else list(map(pm.get, keys[:n]))
+                    longest = max(longest, n)
+            else:
+                for pod in walk:
                     # C-speed walk: dict lookups until the first missing key
-                    masks = list(takewhile(bool, map(pm.get, keys)))
-                if masks:
-                    out[pod] = masks
-                    longest = max(longest, len(masks))
+                    masks = list(takewhile(bool, map(self._pod_masks[pod].get, keys)))
+                    if masks:
+                        out[pod] = masks
+                        longest = max(longest, len(masks))
             if longest:
                 blocks = self._blocks
                 if speculative:
@@ -427,6 +442,33 @@ class KVBlockIndex:
                 else:  # every matched key is in level 1: touch them at C speed
                     deque(map(blocks.move_to_end, keys[:longest]), maxlen=0)
         return out
+
+    def _walk_holders(self, pods: list[str], keys: list[int]) -> dict[str, int]:
+        """Prefix length per pod in one pass: each key's holder bits, ANDed with the pods still matching."""
+        bits = self._pod_bits
+        alive = 0
+        for pod in pods:
+            alive |= bits[pod]
+        pos = 0
+        ended: dict[int, int] = {}
+        get = self._holders.get
+        for rk in keys:
+            h = get(rk, 0) & alive
+            if h != alive:
+                gone = alive ^ h
+                while gone:
+                    low = gone & -gone
+                    ended[low] = pos
+                    gone ^= low
+                alive = h
+                if not alive:
+                    break
+            pos += 1
+        while alive:
+            low = alive & -alive
+            ended[low] = pos
+            alive ^= low
+        return {pod: ended[bits[pod]] for pod in pods if ended.get(bits[pod])}
 
     def _walk_with_speculative(self, pod: str, pm: dict[int, int], keys: list[int]) -> list[int]:
         spec = self._spec
@@ -563,10 +605,7 @@ class KVBlockIndex:
                     self._unref_engine(entry[1])
                 entry[1] = ek
         pb.mask |= bit
-        pm = self._pod_masks.get(pod)
-        if pm is None:
-            pm = self._pod_masks[pod] = {}
-        pm[rk] = pb.mask
+        self._set_pod_mask(pod, rk, pb.mask)
         if stream.get(ek) != rk:
             stream[ek] = rk
             if not self._compat:
@@ -622,15 +661,43 @@ class KVBlockIndex:
                     del self._blocks[rk]
                 return True
         pb.refresh()
-        self._pod_masks[pod][rk] = pb.mask
+        self._set_pod_mask(pod, rk, pb.mask)
         return True
+
+    def _set_pod_mask(self, pod: str, rk: int, mask: int) -> None:
+        """Read-path mirrors of (pod, rk)'s tier mask: per-pod masks, holder bits, non-gpu counts."""
+        pm = self._pod_masks.get(pod)
+        if pm is None:
+            pm = self._pod_masks[pod] = {}
+            self._mixed[pod] = 0
+        old = pm.get(rk)
+        pm[rk] = mask
+        if old is None:
+            bit = self._pod_bits.get(pod)
+            if bit is None:
+                bit = self._pod_bits[pod] = 1 << len(self._pod_bits)
+            self._holders[rk] = self._holders.get(rk, 0) | bit
+            self._mixed[pod] += mask != _GPU_BIT
+        elif (old != _GPU_BIT) != (mask != _GPU_BIT):
+            self._mixed[pod] += 1 if mask != _GPU_BIT else -1
 
     def _drop_pod_mask(self, pod: str, rk: int) -> None:
         pm = self._pod_masks.get(pod)
-        if pm is not None:
-            pm.pop(rk, None)
-            if not pm:
-                del self._pod_masks[pod]
+        if pm is None:
+            return
+        old = pm.pop(rk, None)
+        if old is None:
+            return
+        h = self._holders[rk] & ~self._pod_bits[pod]
+        if h:
+            self._holders[rk] = h
+        else:
+            del self._holders[rk]
+        if not pm:
+            del self._pod_masks[pod]
+            del self._mixed[pod]
+        else:
+            self._mixed[pod] -= old != _GPU_BIT
 
     def _unref_engine(self, ek: int) -> None:
         if self._compat:

@@ -152,7 +152,11 @@ class PoolMachine(RuleBasedStateMachine):
         for p in range(len(UNIVERSE.paths)):
             eks = [UNIVERSE.ek(p, i) for i in range(UNIVERSE.n_blocks(p))]
             want = {pod: [mask_of(t) for t in tiers] for pod, tiers in self.oracle.prefix(eks).items()}
-            assert self.index.prefix_match(UNIVERSE.request_keys(p)) == want
+            keys = UNIVERSE.request_keys(p)
+            assert self.index.prefix_match(keys) == want
+            # few candidates walk per pod, many walk the holder bits: both must agree
+            for cands in (PODS[:1], PODS[1:], PODS + ["unknown"]):
+                assert self.index.prefix_match(keys, cands) == {q: m for q, m in want.items() if q in cands}
 
     @invariant()
     def bounded(self):
