@@ -1,0 +1,79 @@
+"""Command line of the reference router.
+
+``python -m examples.router --engine [POD@]URL=ZMQ[,REPLAY] ... [--model NAME]
+[--block-size 32] [--host H] [--port P] [--policy kvindex|round_robin]
+[--load-interval S] [--config FILE]``
+
+Each ``--engine`` names one vLLM engine: its HTTP base URL, its KV-event
+publisher endpoint and, after a comma, its replay endpoint. The pod id is
+``POD`` when given, else the URL's ``host:port``; it must be the pod part of
+the engine's ``--kv-events-config`` topic ``kv@<pod>@<model>``. Example::
+
+    python -m examples.router --port 8080 \\
+        --engine pod-0@http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 \\
+        --engine pod-1@http://10.0.0.6:8000=tcp://10.0.0.6:5557,tcp://10.0.0.6:5558
+
+``--config FILE`` reads a :class:`examples.router.app.RouterConfig` (YAML, or
+JSON for ``.json``); engines given on the command line are added to the
+file's, and the other options given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+from aiohttp import web
+
+from examples.router.app import Router, RouterConfig, load_router_config, parse_engine_arg
+
+
+def build_config(argv: list[str] | None = None) -> RouterConfig:
+    """Parse the command line into a :class:`RouterConfig` (exits with usage on errors)."""
+    p = argparse.ArgumentParser(prog="python -m examples.router", description=__doc__.splitlines()[0])
+    p.add_argument("--engine", action="append", default=[], metavar="[POD@]URL=ZMQ[,REPLAY]")
+    p.add_argument("--model", help="served model name (default: ask the first engine's /v1/models)")
+    p.add_argument("--block-size", type=int, help="tokens per block, = the engines' --block-size (default 32)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--policy", choices=("kvindex", "round_robin"), help="default kvindex")
+    p.add_argument("--load-interval", type=float, help="seconds between /metrics refreshes (default 1)")
+    p.add_argument("--config", help="router configuration file (YAML or .json)")
+    args = p.parse_args(argv)
+    try:
+        base = load_router_config(args.config) if args.config else RouterConfig()
+        engines = list(base.engines) + [parse_engine_arg(e) for e in args.engine]
+        overrides = {
+            "model": args.model,
+            "block_size": args.block_size,
+            "host": args.host,
+            "port": args.port,
+            "policy": args.policy,
+            "load_interval": args.load_interval,
+        }
+        data = msgspec.to_builtins(base)
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        data["engines"] = [msgspec.to_builtins(e) for e in engines]
+        config = msgspec.convert(data, RouterConfig)
+    except (OSError, ValueError, msgspec.ValidationError) as e:
+        p.error(str(e))
+    if not config.engines:
+        p.error("at least one --engine (or engines in --config) is needed")
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the router until interrupted."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = build_config(argv)
+    router = Router(config)
+    for spec in config.engines:
+        print(f"engine {spec.pod}: {spec.url} events {spec.endpoint} replay {spec.replay_endpoint}", file=sys.stderr)
+    web.run_app(router.app(), host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,837 @@
+"""The reference KV-aware router: an OpenAI-compatible HTTP proxy embedding kvindex.
+
+Read path per request (``POST /v1/completions`` and ``POST /v1/chat/completions``):
+
+1. Token ids. The prompt is rendered exactly as the engine will render it by
+   asking an engine's ``POST /tokenize`` (vLLM 0.32,
+   vllm/entrypoints/serve/tokenize/protocol.py): a completion's text prompt is
+   sent as ``{"model", "prompt", "add_special_tokens"}`` (the engine prepends
+   BOS as it does for ``/v1/completions``), a chat request as ``{"model",
+   "messages", "add_generation_prompt", "continue_final_message",
+   "add_special_tokens", "chat_template", "chat_template_kwargs", "tools",
+   ...}`` (the engine applies the model's chat template); the answer's
+   ``tokens`` field holds the ids. A prompt given as token ids (a list of
+   ints) is used as is. A batched completion prompt (a list of prompts) is
+   scored on its first prompt. When no engine can tokenize, the request is
+   routed on load alone.
+2. :meth:`indexer.Indexer.score` over the healthy pods: prefix coverage from
+   the index (fed by the engines' KV events over ZMQ) mixed with load (each
+   engine's ``/metrics``, fetched every ``load_interval`` seconds with
+   :func:`scorer.fetch_load`, plus the router's own in-flight counts via
+   ``request_started`` / ``request_finished``). Pods with equal totals take
+   turns (the picker alone would always prefer the smaller pod id). With
+   ``policy="round_robin"``
+   the pods take turns instead (the score is still computed and recorded, as
+   a baseline).
+3. The request body is forwarded byte for byte to the chosen engine and the
+   answer (JSON or server-sent events) is passed back unchanged, with these
+   headers added: ``x-kvindex-pod``, ``x-kvindex-predicted-cached-tokens``,
+   ``x-kvindex-prompt-tokens`` and ``x-kvindex-decision`` (the id of the
+   decision in ``GET /decisions``).
+
+Predicted cached tokens (what the chosen engine will add to its
+``vllm:prefix_cache_hits_total`` for the request): the longest consecutive
+prefix of full blocks the index holds on that pod, capped so that at least one
+prompt token is computed, in whole blocks::
+
+    predicted = min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+This mirrors vllm/v1/core/kv_cache_manager.py ``get_computed_blocks``
+(vLLM 0.32): the cache lookup is limited to ``num_tokens - 1`` tokens
+because the last prompt token must be recomputed to get logits, and a hit is
+always whole blocks. So a fully cached prompt of 128 tokens (block size 32)
+reports 96 hit tokens; one of 130 tokens reports 128.
+
+Other endpoints: ``GET /metrics`` (Prometheus text from the router's own
+``CollectorRegistry``: requests and predicted cached tokens per pod, engine
+load, index size, events ingested, gaps, replays, ...), ``GET /health``
+(200 while at least one engine's ``/metrics`` answered at the last refresh,
+503 otherwise), ``GET /decisions?limit=N`` (the bounded in-memory log of
+routing decisions, newest last) and ``GET /v1/models`` (from one engine).
+
+Pod ids must equal the pod part of each engine's KV-event topic
+``kv@<pod>@<model>``: the index keys blocks by the topic's pod. A pod id seen
+in events but not configured is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import yaml
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from indexer import Config, Indexer
+from kvevents.subscriber import EngineEndpoint
+from scorer.load import fetch_load
+
+__all__ = [
+    "Decision",
+    "EngineSpec",
+    "Router",
+    "RouterConfig",
+    "RunningRouter",
+    "load_router_config",
+    "parse_engine_arg",
+    "predicted_cached_tokens",
+]
+
+log = logging.getLogger("kvindex.router")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+"""Headers never copied between the client and the engine (RFC 9110 section 7.6.1, plus
+Host and Content-Length, which aiohttp sets for each side)."""
+
+CHAT_TOKENIZE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+)
+"""Chat request fields that change the rendered prompt and that vLLM 0.32's
+``TokenizeChatRequest`` accepts; copied into the ``/tokenize`` request."""
+
+CHAT_TEMPLATE_EXTRAS = ("documents", "reasoning_effort")
+"""Chat request fields vLLM 0.32 passes to the chat template as keyword
+arguments (``ChatCompletionRequest.build_chat_params``); the router hands them
+to ``/tokenize`` inside ``chat_template_kwargs``."""
+
+PREDICTED_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, float("inf"))
+"""Histogram buckets of predicted cached tokens per request."""
+
+
+def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens the engine will report as prefix-cache hits for a prompt.
+
+    ``min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size``:
+    the index's consecutive prefix match (blocks), capped so that at least one
+    prompt token is computed, in whole blocks (mirrors vLLM 0.32
+    ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length =
+    request.num_tokens - 1``). 0 for an empty prompt.
+
+    Raises:
+        ValueError: negative counts or a block size < 1.
+    """
+    if matched_blocks < 0 or prompt_tokens < 0 or block_size < 1:
+        raise ValueError(f"bad arguments: {matched_blocks=}, {prompt_tokens=}, {block_size=}")
+    if prompt_tokens == 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+# -- configuration -------------------------------------------------------------
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One engine as the router sees it.
+
+    pod: pod id; must equal the pod in the engine's KV-event topic
+        ``kv@<pod>@<model>``.
+    url: HTTP base URL of the engine's OpenAI server, e.g. ``http://10.0.0.5:8000``.
+    endpoint: ZMQ address of its KV-event publisher, e.g. ``tcp://10.0.0.5:5557``.
+    replay_endpoint: ZMQ address of its replay ROUTER socket, or None.
+    """
+
+    pod: str
+    url: str
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.pod:
+            raise ValueError("engine pod id must be non-empty")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"engine url must be http(s)://host:port, got {self.url!r}")
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the router needs (YAML/JSON file or command line).
+
+    engines: the engines to route to (at least one).
+    model: served model name (the model part of the engines' topics and the
+        label of their metrics); None = ask the first engine's ``/v1/models``.
+    block_size: tokens per block; must equal the engines' ``--block-size``.
+    host, port: where the router listens.
+    policy: ``kvindex`` (prefix + load picker) or ``round_robin`` (baseline).
+    load_interval: seconds between two refreshes of every engine's ``/metrics``.
+    decision_log_size: routing decisions kept for ``GET /decisions``.
+    upstream_timeout: seconds an engine may stay silent while answering.
+    indexer: extra :class:`indexer.Config` fields (e.g. ``scorer_config``,
+        ``token_processor_config.algorithm``); the router fills in
+        ``model_name``, ``token_processor_config.block_size`` and
+        ``kv_events_config.engines`` from the fields above.
+    """
+
+    engines: list[EngineSpec] = msgspec.field(default_factory=list)
+    model: str | None = None
+    block_size: int = 32
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: Literal["kvindex", "round_robin"] = "kvindex"
+    load_interval: float = 1.0
+    decision_log_size: int = 1000
+    upstream_timeout: float = 600.0
+    indexer: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.load_interval > 0:
+            raise ValueError(f"load_interval must be > 0, got {self.load_interval}")
+        if self.decision_log_size < 1:
+            raise ValueError(f"decision_log_size must be >= 1, got {self.decision_log_size}")
+        pods = [e.pod for e in self.engines]
+        if len(set(pods)) != len(pods):
+            raise ValueError(f"duplicate pod ids in {pods}")
+
+    def indexer_config(self, model: str | None) -> Config:
+        """The :class:`indexer.Config` for these engines, model and block size.
+
+        Raises:
+            ValueError: the ``indexer`` section sets engines itself, or a block
+                size different from ``block_size``; or it fails validation.
+        """
+        data = msgspec.to_builtins(self.indexer)
+        events = dict(data.get("kv_events_config") or {})
+        if events.get("engines") or events.get("zmq_endpoint"):
+            raise ValueError("the indexer section must not list engines: use the router's engines")
+        tpc = dict(data.get("token_processor_config") or {})
+        if tpc.get("block_size", self.block_size) != self.block_size:
+            raise ValueError(
+                f"indexer block_size {tpc['block_size']} differs from the router's {self.block_size}"
+            )
+        tpc["block_size"] = self.block_size
+        events["engines"] = [
+            msgspec.to_builtins(
+                EngineEndpoint(endpoint=e.endpoint, pod=e.pod, replay_endpoint=e.replay_endpoint, model=model)
+            )
+            for e in self.engines
+        ]
+        data.update(model_name=model, token_processor_config=tpc, kv_events_config=events)
+        return Config.from_dict(data)
+
+
+def parse_engine_arg(text: str) -> EngineSpec:
+    """Parse ``[POD@]URL=ZMQ[,REPLAY]`` into an :class:`EngineSpec`.
+
+    Without ``POD@`` the pod id is the URL's ``host:port`` (e.g.
+    ``10.0.0.5:8000``); the engine's topic must then be ``kv@10.0.0.5:8000@<model>``.
+    Example: ``pod-0@http://127.0.0.1:8000=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558``.
+
+    Raises:
+        ValueError: the text does not have that shape.
+    """
+    left, sep, right = text.partition("=")
+    if not sep or not left or not right:
+        raise ValueError(f"engine must be [POD@]URL=ZMQ[,REPLAY], got {text!r}")
+    pod = ""
+    head, at, tail = left.partition("@")
+    if at and "://" not in head:
+        pod, url = head, tail
+    else:
+        url = left
+    zmq_parts = [p.strip() for p in right.split(",")]
+    if len(zmq_parts) > 2 or not zmq_parts[0] or (len(zmq_parts) == 2 and not zmq_parts[1]):
+        raise ValueError(f"engine ZMQ part must be ENDPOINT[,REPLAY_ENDPOINT], got {right!r}")
+    if not pod:
+        pod = urlsplit(url).netloc
+    return EngineSpec(
+        pod=pod,
+        url=url.rstrip("/"),
+        endpoint=zmq_parts[0],
+        replay_endpoint=zmq_parts[1] if len(zmq_parts) == 2 else None,
+    )
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    """Load a :class:`RouterConfig` from a ``.json`` file or a YAML file (anything else).
+
+    Raises:
+        msgspec.ValidationError / ValueError: bad content.
+    """
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix == ".json":
+        return msgspec.json.decode(text, type=RouterConfig)
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{p}: the configuration must be a mapping")
+    return msgspec.convert(data, RouterConfig)
+
+
+# -- decisions -----------------------------------------------------------------
+
+
+class Decision(msgspec.Struct, kw_only=True):
+    """One routing decision, as kept in the log and returned by ``GET /decisions``.
+
+    id: increasing number (also the ``x-kvindex-decision`` header).
+    path: the API path (``/v1/completions`` or ``/v1/chat/completions``).
+    policy: ``kvindex`` or ``round_robin``.
+    pod: the chosen pod.
+    token_source: ``tokenize`` (engine's /tokenize), ``token_ids`` (prompt
+        given as ids) or ``none`` (no tokens: routed on load alone).
+    prompt_tokens: tokens scored; request_blocks: their full blocks.
+    matched_tokens: prefix the index holds on the chosen pod (tokens).
+    predicted_cached_tokens: see :func:`predicted_cached_tokens`.
+    matched: pod -> matched prefix tokens, for every candidate.
+    totals: pod -> picker total, for every candidate.
+    stream: the request asked for server-sent events.
+    status: the engine's HTTP status (None until it answered; 502 when it
+        could not be reached).
+    route_ms: milliseconds spent tokenizing and scoring.
+    duration_ms: milliseconds until the answer was passed back (None before).
+    """
+
+    id: int
+    path: str
+    policy: str
+    pod: str
+    token_source: str
+    prompt_tokens: int
+    request_blocks: int
+    matched_tokens: int
+    predicted_cached_tokens: int
+    matched: dict[str, int]
+    totals: dict[str, float]
+    stream: bool
+    status: int | None = None
+    route_ms: float = 0.0
+    duration_ms: float | None = None
+
+
+class _IndexerCollector(Collector):
+    """Exposes the embedded indexer's counters (read at scrape time)."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        """Yield index sizes and write-path counters as metric families."""
+        ix = self._router.indexer
+        if ix is None:
+            return
+        st = ix.stats()
+        gauges = {
+            "kvindex_index_keys": ("Request keys (blocks) held by the index.", st.index.keys),
+            "kvindex_index_entries": ("(block, pod, DP rank) entries in the index.", st.index.entries),
+            "kvindex_index_pods": ("Pods holding at least one block.", st.index.pods),
+            "kvindex_index_orphan_blocks": ("Blocks waiting for their parent block.", st.index.orphan_blocks),
+            "kvindex_event_queue": ("KV-event messages waiting in the pool queues.", st.events.queued),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "kvindex_event_messages": ("KV-event messages received from the engines.", st.received_messages),
+            "kvindex_event_batches": ("KV-event batches applied (live and replayed).", st.events.batches),
+            "kvindex_events": ("KV events applied to the index.", st.events.events),
+            "kvindex_blocks_stored": ("Blocks stored by BlockStored events.", st.events.blocks_stored),
+            "kvindex_blocks_removed": ("Blocks removed by BlockRemoved events.", st.events.blocks_removed),
+            "kvindex_event_clears": ("AllBlocksCleared events and engine restarts applied.", st.events.clears),
+            "kvindex_event_gaps": ("Sequence gaps seen in the engines' event streams.", st.events.gaps),
+            "kvindex_event_gaps_unrecovered": ("Gaps a replay could not fill.", st.events.gaps_unrecovered),
+            "kvindex_event_replay_requests": ("Replays asked from the engines.", st.events.replay_requests),
+            "kvindex_event_replayed_batches": ("Batches received by replays.", st.events.replayed_batches),
+            "kvindex_event_restarts": ("Engine restarts detected (sequence back to 0).", st.events.restarts),
+            "kvindex_event_dropped_messages": ("Messages dropped on full queues.", st.events.dropped_messages),
+            "kvindex_event_decode_errors": ("Messages or events that failed to decode or apply.", st.events.decode_errors),
+            "kvindex_index_evictions": ("Request keys evicted by the index's size bound.", st.index.evictions),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+    def describe(self):  # type: ignore[no-untyped-def]
+        """No fixed description: families are produced at scrape time."""
+        return []
+
+
+# -- the router ----------------------------------------------------------------
+
+
+class Router:
+    """The proxy: engines, embedded :class:`indexer.Indexer`, metrics and decision log.
+
+    Use :meth:`app` to get the aiohttp application (its start-up and clean-up
+    hooks call :meth:`start` and :meth:`close`), or :class:`RunningRouter` to
+    serve it in-process. Attributes of interest once started: ``indexer``,
+    ``model``, ``registry`` (the router's own Prometheus registry) and
+    ``decisions`` (a bounded deque of :class:`Decision`).
+
+    Raises:
+        ValueError: a config without engines.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        if not config.engines:
+            raise ValueError("the router needs at least one engine")
+        self.config = config
+        self.engines: dict[str, EngineSpec] = {e.pod: e for e in config.engines}
+        self.model: str | None = config.model
+        self.indexer: Indexer | None = None
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=config.decision_log_size)
+        self.healthy: dict[str, bool] = dict.fromkeys(self.engines, False)
+        self._ids = itertools.count(1)
+        self._rr = itertools.cycle(list(self.engines))
+        self._ties = itertools.count()
+        self._tokenize_rr = itertools.cycle(list(self.engines))
+        self._session: aiohttp.ClientSession | None = None
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._warned_pods: set[str] = set()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_requests = Counter(
+            "kvindex_router_requests", "Requests routed, by pod and API path.", ["pod", "path"], registry=r
+        )
+        self.m_predicted = Counter(
+            "kvindex_router_predicted_cached_tokens",
+            "Predicted cached prompt tokens on the chosen pod, summed.",
+            ["pod"],
+            registry=r,
+        )
+        self.m_prompt = Counter(
+            "kvindex_router_prompt_tokens", "Prompt tokens scored, summed by chosen pod.", ["pod"], registry=r
+        )
+        self.m_predicted_hist = Histogram(
+            "kvindex_router_predicted_cached_tokens_per_request",
+            "Predicted cached prompt tokens on the chosen pod per request.",
+            buckets=PREDICTED_BUCKETS,
+            registry=r,
+        )
+        self.m_upstream_errors = Counter(
+            "kvindex_router_upstream_errors", "Requests the chosen engine could not answer.", ["pod"], registry=r
+        )
+        self.m_tokenize_errors = Counter(
+            "kvindex_router_tokenize_errors", "Prompts no engine could tokenize (routed on load).", registry=r
+        )
+        self.m_in_flight = Gauge("kvindex_router_in_flight", "Requests in flight, by pod.", ["pod"], registry=r)
+        self.m_waiting = Gauge("kvindex_router_engine_waiting", "Engine-reported waiting requests.", ["pod"], registry=r)
+        self.m_running = Gauge("kvindex_router_engine_running", "Engine-reported running requests.", ["pod"], registry=r)
+        self.m_kv_usage = Gauge(
+            "kvindex_router_engine_kv_usage", "Engine-reported KV-cache usage (0..1).", ["pod"], registry=r
+        )
+        self.m_healthy = Gauge(
+            "kvindex_router_engine_up", "1 when the engine's /metrics answered at the last refresh.", ["pod"], registry=r
+        )
+        self.m_scrape_errors = Counter(
+            "kvindex_router_engine_scrape_errors", "Failed /metrics refreshes, by pod.", ["pod"], registry=r
+        )
+        r.register(_IndexerCollector(self))
+        for pod in self.engines:
+            self.m_in_flight.labels(pod).set(0)
+            self.m_healthy.labels(pod).set(0)
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        """Open the HTTP client, learn the model name if needed, start the indexer
+        (replaying what the engines still buffer), load the engines' metrics once
+        and start the background refresh.
+
+        Raises:
+            RuntimeError: the model name was not given and no engine's
+                ``/v1/models`` answered.
+        """
+        if self._session is not None:
+            return
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.upstream_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        try:
+            if self.model is None:
+                self.model = await self._discover_model()
+            self.indexer = Indexer(self.config.indexer_config(self.model))
+            await asyncio.to_thread(self.indexer.start)
+            await asyncio.to_thread(self.indexer.flush, 10.0)
+            await self.refresh_loads()
+        except BaseException:
+            await self.close()
+            raise
+        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="kvindex-router-load")
+
+    async def close(self) -> None:
+        """Stop the background refresh, the indexer and the HTTP client (idempotent)."""
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            try:
+                await self._refresh_task
+            except asyncio.CancelledError:
+                pass
+            self._refresh_task = None
+        if self.indexer is not None:
+            await asyncio.to_thread(self.indexer.stop)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _discover_model(self) -> str:
+        assert self._session is not None
+        for spec in self.engines.values():
+            try:
+                async with self._session.get(spec.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    resp.raise_for_status()
+                    data = msgspec.json.decode(await resp.read())
+                return str(data["data"][0]["id"])
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, KeyError, IndexError, TypeError) as e:
+                log.warning("router: /v1/models of %s failed: %r", spec.pod, e)
+        raise RuntimeError("no engine told its model name (pass --model)")
+
+    def app(self) -> web.Application:
+        """The aiohttp application serving the router's endpoints."""
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.handle_completion)
+        app.router.add_post("/v1/chat/completions", self.handle_completion)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/decisions", self.handle_decisions)
+
+        async def on_startup(_: web.Application) -> None:
+            await self.start()
+
+        async def on_cleanup(_: web.Application) -> None:
+            await self.close()
+
+        app.on_startup.append(on_startup)
+        app.on_cleanup.append(on_cleanup)
+        return app
+
+    # -- load signals
+
+    async def refresh_loads(self) -> None:
+        """Fetch every engine's ``/metrics`` once and feed the indexer's load table."""
+        assert self._session is not None and self.indexer is not None
+        specs = list(self.engines.values())
+        results = await asyncio.gather(
+            *(fetch_load(self._session, s.url, timeout=2.0, model_name=self.model) for s in specs),
+            return_exceptions=True,
+        )
+        for spec, res in zip(specs, results):
+            if isinstance(res, BaseException):
+                if self.healthy.get(spec.pod):
+                    log.warning("router: /metrics of %s failed: %r", spec.pod, res)
+                self.healthy[spec.pod] = False
+                self.m_scrape_errors.labels(spec.pod).inc()
+                self.m_healthy.labels(spec.pod).set(0)
+                continue
+            self.healthy[spec.pod] = True
+            self.indexer.update_load(spec.pod, res)
+            self.m_healthy.labels(spec.pod).set(1)
+            self.m_waiting.labels(spec.pod).set(res.waiting)
+            self.m_running.labels(spec.pod).set(res.running)
+            self.m_kv_usage.labels(spec.pod).set(res.kv_usage)
+        unknown = set(self.indexer.index.pods()) - set(self.engines) - self._warned_pods
+        for pod in sorted(unknown):
+            log.warning(
+                "router: KV events name pod %r, which no engine is configured as; "
+                "use POD@URL so pod ids match the engines' topics kv@<pod>@<model>",
+                pod,
+            )
+            self._warned_pods.add(pod)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.load_interval)
+            try:
+                await self.refresh_loads()
+            except Exception:  # never let the loop die; the next round retries
+                log.exception("router: load refresh failed")
+
+    # -- read path
+
+    async def prompt_token_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+        """The token ids the engine will see for a request body, and where they came from.
+
+        Returns ``(ids, "token_ids")`` for a completion prompt given as ids (the
+        first prompt of a batch), ``(ids, "tokenize")`` when an engine's
+        ``/tokenize`` rendered it (chat template applied for chat requests),
+        ``(None, "none")`` when there is nothing to tokenize or no engine could.
+        """
+        if path.endswith("/chat/completions"):
+            messages = body.get("messages")
+            if not isinstance(messages, list):
+                return None, "none"
+            req: dict[str, Any] = {"model": self.model, "messages": messages}
+            for key in CHAT_TOKENIZE_FIELDS:
+                if body.get(key) is not None:
+                    req[key] = body[key]
+            extras = {k: body[k] for k in CHAT_TEMPLATE_EXTRAS if body.get(k) is not None}
+            if extras:
+                req["chat_template_kwargs"] = {**extras, **(req.get("chat_template_kwargs") or {})}
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+                prompt = prompt[0]  # a batch: score its first prompt
+            if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+                return list(prompt), "token_ids"
+            if not isinstance(prompt, str):
+                return None, "none"
+            req = {"model": self.model, "prompt": prompt}
+            if body.get("add_special_tokens") is not None:
+                req["add_special_tokens"] = body["add_special_tokens"]
+        ids = await self._tokenize(req)
+        return (ids, "tokenize") if ids is not None else (None, "none")
+
+    async def _tokenize(self, req: dict[str, Any]) -> list[int] | None:
+        """POST ``req`` to ``/tokenize`` of healthy engines in turn until one answers."""
+        assert self._session is not None
+        order = [next(self._tokenize_rr) for _ in self.engines]
+        order.sort(key=lambda p: not self.healthy.get(p, False))  # healthy first, stable
+        payload = msgspec.json.encode(req)
+        for pod in order:
+            try:
+                async with self._session.post(
+                    self.engines[pod].url + "/tokenize",
+                    data=payload,
+                    headers={"Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as resp:
+                    raw = await resp.read()
+                    if resp.status != 200:
+                        log.debug("router: /tokenize on %s -> %s %r", pod, resp.status, raw[:200])
+                        if 400 <= resp.status < 500:
+                            break  # the engine rejects the prompt: another one would too
+                        continue
+                tokens = msgspec.json.decode(raw)["tokens"]
+                if isinstance(tokens, list) and all(type(t) is int for t in tokens):
+                    return tokens
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, KeyError, TypeError) as e:
+                log.debug("router: /tokenize on %s failed: %r", pod, e)
+        self.m_tokenize_errors.inc()
+        return None
+
+    def candidates(self) -> list[str]:
+        """Pods to route to: those whose ``/metrics`` answered last time (all if none did)."""
+        up = [p for p in self.engines if self.healthy.get(p)]
+        return up or list(self.engines)
+
+    def choose(
+        self,
+        path: str,
+        tokens: Sequence[int] | None,
+        token_source: str,
+        *,
+        stream: bool = False,
+        cache_salt: str | None = None,
+    ) -> Decision:
+        """Score the candidates, pick a pod, count the request in flight there and log the decision.
+
+        The caller must call :meth:`finish` with the decision when the request ends.
+        """
+        assert self.indexer is not None
+        start = time.perf_counter()
+        ids = list(tokens or [])
+        candidates = self.candidates()
+        salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
+        result = self.indexer.score(ids, candidates, cache_salt=salt)
+        assert result.pod is not None
+        pod = result.pod
+        if self.config.policy == "round_robin":
+            pod = next(p for p in self._rr if p in candidates)
+        elif result.choice is not None:
+            # The picker breaks ties by pod id; the router takes turns among
+            # pods with the same total instead, so that idle pods holding
+            # nothing of a prompt share such prompts.
+            best = result.choice.score
+            tied = [p for p, e in result.choice.explanation.items() if abs(e.total - best) <= 1e-9]
+            if len(tied) > 1:
+                pod = sorted(tied)[next(self._ties) % len(tied)]
+        self.indexer.request_started(pod)
+        chosen = result.prefix[pod]
+        block = result.block_size
+        totals = result.choice.explanation if result.choice is not None else {}
+        decision = Decision(
+            id=next(self._ids),
+            path=path,
+            policy=self.config.policy,
+            pod=pod,
+            token_source=token_source,
+            prompt_tokens=len(ids),
+            request_blocks=result.request_blocks,
+            matched_tokens=chosen.matched_tokens,
+            predicted_cached_tokens=predicted_cached_tokens(chosen.matched_blocks, len(ids), block),
+            matched={p: s.matched_tokens for p, s in result.prefix.items()},
+            totals={p: round(e.total, 6) for p, e in totals.items()},
+            stream=stream,
+            route_ms=(time.perf_counter() - start) * 1000.0,
+        )
+        self.decisions.append(decision)
+        self.m_requests.labels(pod, path).inc()
+        self.m_predicted.labels(pod).inc(decision.predicted_cached_tokens)
+        self.m_prompt.labels(pod).inc(len(ids))
+        self.m_predicted_hist.observe(decision.predicted_cached_tokens)
+        self.m_in_flight.labels(pod).inc()
+        return decision
+
+    def finish(self, decision: Decision, status: int, started: float) -> None:
+        """Record the end of a routed request (status, duration) and release its in-flight slot."""
+        assert self.indexer is not None
+        decision.status = status
+        decision.duration_ms = (time.perf_counter() - started) * 1000.0
+        self.indexer.request_finished(decision.pod)
+        self.m_in_flight.labels(decision.pod).dec()
+        if status >= 500:
+            self.m_upstream_errors.labels(decision.pod).inc()
+
+    async def wait_indexed(self, tokens: Sequence[int], pod: str, *, timeout: float = 5.0, poll: float = 0.02) -> bool:
+        """Wait (bounded) until the index holds every full block of ``tokens`` on ``pod``.
+
+        For tests and demos that must not score the next request before the
+        previous one's KV events are applied. Returns False on timeout.
+        """
+        assert self.indexer is not None
+        want = len(tokens) // self.indexer.token_processor.block_size
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.indexer.score(list(tokens), [pod]).prefix[pod].matched_blocks
+            if got >= want:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll)
+
+    # -- handlers
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        """Proxy ``/v1/completions`` and ``/v1/chat/completions`` to the chosen engine."""
+        started = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        if not isinstance(body, dict):
+            body = {}  # forwarded unchanged; the engine reports the error
+        tokens, source = await self.prompt_token_ids(request.path, body)
+        decision = self.choose(
+            request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt")
+        )
+        status = 502
+        try:
+            resp = await self._forward(request, raw, decision)
+            status = resp.status
+            return resp
+        finally:
+            self.finish(decision, status, started)
+
+    def _decision_headers(self, decision: Decision) -> dict[str, str]:
+        return {
+            "x-kvindex-pod": decision.pod,
+            "x-kvindex-predicted-cached-tokens": str(decision.predicted_cached_tokens),
+            "x-kvindex-prompt-tokens": str(decision.prompt_tokens),
+            "x-kvindex-decision": str(decision.id),
+        }
+
+    async def _forward(self, request: web.Request, raw: bytes, decision: Decision) -> web.StreamResponse:
+        """Send the body unchanged to the chosen engine; pass its answer back unchanged."""
+        assert self._session is not None
+        url = self.engines[decision.pod].url + request.path_qs
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        extra = self._decision_headers(decision)
+        try:
+            async with self._session.post(url, data=raw, headers=headers) as up:
+                out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP}
+                out_headers.update(extra)
+                if up.headers.get("Content-Length") is not None:
+                    body = await up.read()
+                    return web.Response(status=up.status, body=body, headers=out_headers)
+                resp = web.StreamResponse(status=up.status, headers=out_headers)
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("router: engine %s failed: %r", decision.pod, e)
+            err = {"error": {"message": f"engine {decision.pod} failed: {e!r}", "type": "BadGateway", "code": 502}}
+            return web.Response(
+                status=502, body=msgspec.json.encode(err), content_type="application/json", headers=extra
+            )
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models`` from the first healthy engine."""
+        assert self._session is not None
+        pod = self.candidates()[0]
+        try:
+            async with self._session.get(self.engines[pod].url + "/v1/models") as up:
+                return web.Response(status=up.status, body=await up.read(), content_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return web.Response(status=502, text=f"engine {pod} failed: {e!r}")
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        """``GET /metrics``: the router's registry in the Prometheus text format."""
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 when at least one engine is up, else 503; JSON per pod."""
+        up = any(self.healthy.values())
+        body = {"status": "ok" if up else "no engine up", "model": self.model, "engines": self.healthy}
+        return web.Response(
+            status=200 if up else 503, body=msgspec.json.encode(body), content_type="application/json"
+        )
+
+    async def handle_decisions(self, request: web.Request) -> web.Response:
+        """``GET /decisions?limit=N``: the last N routing decisions (default 100), oldest first."""
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            return web.Response(status=400, text="limit must be an integer")
+        items = list(self.decisions)[-max(0, limit) :] if limit > 0 else []
+        return web.Response(body=msgspec.json.encode(items), content_type="application/json")
+
+
+class RunningRouter:
+    """Serve a :class:`Router` in the current event loop (tests, demos).
+
+    ``async with RunningRouter(config) as rr: rr.url`` -> ``http://host:port``;
+    port 0 in the config picks a free port.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.router = Router(config)
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> RunningRouter:
+        self._runner = web.AppRunner(self.router.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.router.config.host, self.router.config.port)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
