@@ -767,9 +767,14 @@ class Router:
                     return web.Response(status=up.status, body=body, headers=out_headers)
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    async for chunk in up.content.iter_any():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except ConnectionResetError:
+                    # The client went away; closing the upstream response
+                    # (leaving this block) makes the engine abort the request.
+                    log.debug("router: client of decision %s disconnected", decision.id)
                 return resp
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("router: engine %s failed: %r", decision.pod, e)
