@@ -151,9 +151,10 @@ class RateLimitedLog:
 class _Stream:
     """Sequence state of one publisher stream (pod, DP rank)."""
 
-    __slots__ = ("last", "last_ts", "suspect", "replayed", "replay_max", "replay_endpoint", "engine")
+    __slots__ = ("last", "last_ts", "suspect", "replayed", "replay_max", "replay_endpoint", "engine", "model")
 
-    def __init__(self, replay_endpoint: str | None, engine: str) -> None:
+    def __init__(self, replay_endpoint: str | None, engine: str, model: str | None = None) -> None:
+        self.model = model
         self.last: int | None = None
         self.last_ts: float | None = None
         # the publisher's connection dropped since the last applied batch: it
@@ -182,6 +183,11 @@ class _Forget(NamedTuple):
 
 
 class _Disconnected(NamedTuple):
+    pod: str
+    dp_rank: int
+
+
+class _Reconnected(NamedTuple):
     pod: str
     dp_rank: int
 
@@ -248,6 +254,8 @@ class _Shard:
             st = self.streams.get((item.pod, item.dp_rank))
             if st is not None and st.last is not None:
                 st.suspect = True
+        elif isinstance(item, _Reconnected):
+            self._on_reconnected(item.pod, item.dp_rank)
         elif isinstance(item, _Forget):
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
@@ -269,7 +277,7 @@ class _Shard:
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
         st = self.streams.get((pod, rank))
         if st is None:
-            st = self.streams[(pod, rank)] = _Stream(msg.source.replay_endpoint(pod, rank), msg.source.engine)
+            st = self.streams[(pod, rank)] = _Stream(msg.source.replay_endpoint(pod, rank), msg.source.engine, model)
         self._sequence(st, msg.source, pod, rank, model, seq, batch)
 
     def _decode(self, source: Source, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
@@ -289,7 +297,7 @@ class _Shard:
         c = self.c
         if st.suspect:
             st.suspect = False
-            if seq != st.last + 1 and not self._same_process(st, pod, rank, seq, batch):
+            if seq != st.last + 1 and not self._same_process(st, pod, rank):
                 self._restarted(st, pod, rank, f"seq {seq} after {st.last}, following a disconnect")
         if st.last is not None and seq <= st.last:
             if st.replayed.get(seq) == batch.ts:
@@ -318,6 +326,20 @@ class _Shard:
         if st.replayed and seq > st.replay_max:
             st.replayed.clear()  # the live stream is past everything a replay applied
 
+    def _on_reconnected(self, pod: str, rank: int) -> None:
+        """The publisher is reachable again after a disconnect: check it before any message does.
+
+        Without this, a restarted engine that has not published yet would
+        keep its predecessor's blocks in the index until its first message.
+        """
+        st = self.streams.get((pod, rank))
+        if st is None or not st.suspect or st.replay_endpoint is None:
+            return
+        st.suspect = False
+        if not self._same_process(st, pod, rank):
+            self._restarted(st, pod, rank, "a different process answered after a reconnect")
+            self._replay(st, pod, rank, st.model, 0)
+
     def _restarted(self, st: _Stream, pod: str, rank: int, why: str) -> None:
         """A new engine process: forget the stream's blocks and sequence."""
         self.c.restarts += 1
@@ -326,7 +348,7 @@ class _Shard:
         st.last = st.last_ts = None
         st.replayed.clear()
 
-    def _same_process(self, st: _Stream, pod: str, rank: int, seq: int, batch: EventBatch) -> bool:
+    def _same_process(self, st: _Stream, pod: str, rank: int) -> bool:
         """After a disconnect, is the publisher still the process whose batch ``st.last`` we applied?
 
         With a replay endpoint: ask for batches from ``st.last``; the same
@@ -421,7 +443,9 @@ class _Shard:
         key = (item.pod, item.dp_rank)
         st = self.streams.get(key)
         if st is None:
-            st = self.streams[key] = _Stream(item.source.replay_endpoint(item.pod, item.dp_rank), item.source.engine)
+            st = self.streams[key] = _Stream(
+                item.source.replay_endpoint(item.pod, item.dp_rank), item.source.engine, item.source.model
+            )
         if st.replay_endpoint is None:
             return
         self._replay(st, item.pod, item.dp_rank, item.source.model, 0 if st.last is None else st.last + 1)
@@ -431,7 +455,7 @@ class _Shard:
         for (pod, rank), st in list(self.streams.items()):
             if pod in pods and st.replay_endpoint is not None:
                 self.c.resyncs += 1
-                self._replay(st, pod, rank, None, 0 if st.last is None else st.last + 1)
+                self._replay(st, pod, rank, st.model, 0 if st.last is None else st.last + 1)
 
     def _error(self, kind: str, msg: str, n: int = 1) -> None:
         c = self.c
@@ -550,6 +574,15 @@ class EventPool:
         published past our last seq before we reconnected is still detected.
         """
         self._shards[self.shard_of(pod)].queue.put(_Disconnected(pod, dp_rank))
+
+    def reconnected(self, pod: str, dp_rank: int = 0) -> None:
+        """Note that the connection to (pod, dp_rank)'s publisher is back after a drop.
+
+        With a replay endpoint the shard asks the engine at once whether it is
+        the process we knew (see ``_on_reconnected``), so a restarted engine's
+        old blocks leave the index before it publishes anything.
+        """
+        self._shards[self.shard_of(pod)].queue.put(_Reconnected(pod, dp_rank))
 
     def forget_pod(self, pod: str) -> None:
         """Queue the removal of a pod: its streams and all its index entries."""

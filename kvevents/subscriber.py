@@ -136,6 +136,7 @@ class Subscriber:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._monitors: dict[zmq.Socket, tuple[zmq.Socket, str, int]] = {}
+        self._dropped: set[zmq.Socket] = set()  # monitors whose socket lost its connection
         self.received = 0
         self.disconnects = 0
 
@@ -197,7 +198,7 @@ class Subscriber:
             sockets[sock] = source
             owners.setdefault(eng.pod, []).append(sock)
             # a dropped connection may be an engine restart: the pool checks the next message
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
             self._monitors[monitor] = (sock, eng.pod, rank)
             owners[eng.pod].append(monitor)
             if replay is not None:
@@ -260,12 +261,17 @@ class Subscriber:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self.disconnects += 1
+                    self._dropped.add(mon)
                     self.pool.disconnected(entry[1], entry[2])
+                elif event["event"] == zmq.EVENT_CONNECTED and mon in self._dropped:
+                    self._dropped.discard(mon)
+                    self.pool.reconnected(entry[1], entry[2])
         except zmq.ZMQError as exc:
             log.warning("socket monitor for %s failed: %s", entry[1], exc)
 
     def _close_monitor(self, mon: zmq.Socket) -> None:
         sock = self._monitors.pop(mon)[0]
+        self._dropped.discard(mon)
         try:
             sock.disable_monitor()
         except zmq.ZMQError:

@@ -444,6 +444,35 @@ def test_restart_detected_when_new_seq_passes_the_old_one(make_rig: Callable[...
         assert set(now) <= set(rig.engine_view(a))  # blocks whose parents were lost wait as orphans
 
 
+def test_restarted_engine_is_cleared_on_reconnect_before_it_publishes(make_rig: Callable[..., Rig]) -> None:
+    """With a replay endpoint, the reconnect itself reveals the new process: no stale blocks meanwhile."""
+    rig = make_rig("chain")
+    a = rig.engine("pod-a", capacity=200)
+    b = rig.engine("pod-b", capacity=200)
+    rig.subscribe([a, b])
+    rig.join(a)
+    rig.join(b)
+    prompts = Prompts(600)
+    for _ in range(3):
+        rig.serve(a, prompts.next())
+        rig.serve(b, prompts.next())
+    rig.sync(a, b)
+    assert rig.index_view("pod-a")
+    b_before = rig.index_view("pod-b")
+
+    a.restart()  # the new process publishes nothing
+    wait_until(lambda: rig.pool.stats().restarts == 1, "restart noticed on reconnect")
+    assert rig.pool.flush(10)
+    assert rig.index_view("pod-a") == {}
+    assert rig.index_view("pod-b") == b_before
+
+    rig.served["pod-a"] = []
+    fresh = Prompts(601)
+    rig.serve(a, fresh.next())
+    rig.sync(a)
+    rig.check(a)
+
+
 # ---------------------------------------------------------------- 4. late subscriber
 
 
