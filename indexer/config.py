@@ -35,7 +35,10 @@ import yaml
 
 from kvevents.subscriber import EngineEndpoint
 from kvindex.keys import ALGORITHMS
-from kvindex.tiers import DEFAULT_TIER_WEIGHTS
+from kvevents.pool import DECODERS
+from kvindex.tiers import DEFAULT_TIER_WEIGHTS, TierWeights
+
+ENGINE_FORMATS = tuple(DECODERS)
 
 __all__ = [
     "Config",
@@ -112,6 +115,18 @@ class KVEventsConfig(_Base, frozen=True):
     queue_size: int = 10_000
     replay_timeout: float = 2.0
 
+    def __post_init__(self) -> None:
+        for eng in [self.engine, *(e.engine for e in self.engines)]:
+            if eng not in ENGINE_FORMATS:
+                raise ValueError(f"engine must be one of {ENGINE_FORMATS}, got {eng!r}")
+        if self.concurrency < 1 or self.queue_size < 1:
+            raise ValueError("concurrency and queue_size must be >= 1")
+        if not 0 < self.replay_timeout < 3600:
+            raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {self.replay_timeout}")
+        pods = [e.pod for e in self.engines]
+        if len(set(pods)) != len(pods):
+            raise ValueError("each engine entry needs its own pod id (use dp_size for DP ranks)")
+
 
 class ScorerWeights(_Base, frozen=True):
     """Picker weights (llm-d benchmark defaults: prefix 3 : kv-usage 2 : queue 2)."""
@@ -131,6 +146,11 @@ class ScorerConfig(_Base, frozen=True):
     tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
     speculative_ttl: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.speculative_ttl < 86_400:
+            raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
+        TierWeights(self.tier_weights)  # raises for negative or non-finite weights
 
 
 class Config(_Base, frozen=True):

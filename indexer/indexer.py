@@ -151,7 +151,12 @@ class Indexer:
     # -- load signals
 
     def update_load(self, pod: str, load: LoadSnapshot) -> None:
-        """Record the latest engine-reported load of ``pod`` (e.g. from scorer.fetch_load)."""
+        """Record the latest engine-reported load of ``pod`` (e.g. from scorer.fetch_load).
+
+        Raises TypeError unless ``pod`` is a str and ``load`` a LoadSnapshot.
+        """
+        if not isinstance(pod, str) or not isinstance(load, LoadSnapshot):
+            raise TypeError("update_load(pod: str, load: LoadSnapshot)")
         with self._lock:
             self._loads[pod] = load
 
@@ -228,11 +233,15 @@ class Indexer:
         )
         if loads is None:
             loads = self.loads()
+        elif not isinstance(loads, Mapping) or not all(
+            isinstance(p, str) and isinstance(v, LoadSnapshot) for p, v in loads.items()
+        ):
+            raise TypeError("loads must map pod ids (str) to LoadSnapshot")
         if pods is None:
             candidates = sorted(self.index.pods() | set(loads))
         else:
-            if isinstance(pods, str):
-                raise TypeError("pods must be a collection of pod ids, not a str")
+            if isinstance(pods, (str, bytes)) or not all(isinstance(p, str) for p in pods):
+                raise TypeError("pods must be a collection of pod ids (str)")
             candidates = list(dict.fromkeys(pods))
         matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
         prefix = prefix_scores_from_matches(

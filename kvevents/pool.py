@@ -41,7 +41,7 @@ import zmq
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvevents.replay import ReplayClient
 from kvevents.sglang import decode_sglang_batch
-from kvevents.wire import PayloadError, decode_seq, decode_vllm_batch, parse_topic
+from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
 from kvindex.index import KVBlockIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "EventPool", "RateLimitedLog"]
@@ -213,12 +213,32 @@ class _Shard:
 
     def __init__(self, pool: EventPool, n: int) -> None:
         self.pool = pool
-        self.queue: queue.Queue = queue.Queue(maxsize=pool.queue_size)
+        self.n = n
+        # one ordered queue for messages and control items; only messages count
+        # against queue_size (control items must never block or be dropped)
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0  # messages queued, guarded by pending_lock
+        self.pending_lock = threading.Lock()
         self.streams: dict[tuple[str, int], _Stream] = {}
         self.c = _Counters()
         self.resync: set[str] = set()
-        self.replay = ReplayClient(pool.zmq_context, timeout=pool.replay_timeout, on_error=self._error)
-        self.thread = threading.Thread(target=self.run, name=f"kvevents-shard-{n}", daemon=True)
+        self.replay = ReplayClient(
+            pool.zmq_context, timeout=pool.replay_timeout, on_error=self._error, max_batches=pool.replay_max_batches
+        )
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name=f"kvevents-shard-{self.n}", daemon=True)
+        self.thread.start()
+
+    def offer(self, msg: RawMessage) -> bool:
+        """Queue a message unless ``queue_size`` messages are already waiting."""
+        with self.pending_lock:
+            if self.pending >= self.pool.queue_size:
+                return False
+            self.pending += 1
+        self.queue.put(msg)
+        return True
 
     # -- loop
 
@@ -229,17 +249,23 @@ class _Shard:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
                     if self.resync:
-                        self._resync()
+                        self._guarded(self._resync)
                     continue
                 if item is _STOP:
                     break
-                try:
-                    self._handle(item)
-                except Exception as exc:  # never let bad input kill the worker
-                    self._error("internal", f"unexpected {type(exc).__name__}: {exc}")
-                    log.exception("kvevents worker error")
+                if isinstance(item, RawMessage):
+                    with self.pending_lock:
+                        self.pending -= 1
+                self._guarded(self._handle, item)
         finally:
             self.replay.close()
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # never let bad input kill the worker
+            self._error("internal", f"unexpected {type(exc).__name__}: {exc}")
+            log.exception("kvevents worker error")
 
     def _handle(self, item: object) -> None:
         if isinstance(item, RawMessage):
@@ -274,6 +300,9 @@ class _Shard:
         if decoded is None:
             return
         seq, batch = decoded
+        if seq == REPLAY_END_SEQ:
+            self._error("seq", "live message carries the replay end-marker seq")
+            return
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
         st = self.streams.get((pod, rank))
         if st is None:
@@ -376,6 +405,9 @@ class _Shard:
         except TimeoutError:
             self._error("replay_timeout", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} timed out")
             return False  # unverifiable: forget rather than predict blocks the engine may not hold
+        except (ValueError, zmq.ZMQError) as exc:
+            self._error("replay", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} failed: {exc}")
+            return False
 
     def _apply(self, st: _Stream, pod: str, rank: int, model: str | None, seq: int, batch: EventBatch) -> None:
         c = self.c
@@ -438,6 +470,8 @@ class _Shard:
                 self._apply(st, pod, rank, r_model, seq, batch)
         except TimeoutError:
             self._error("replay_timeout", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} timed out")
+        except (ValueError, zmq.ZMQError) as exc:
+            self._error("replay", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} failed: {exc}")
 
     def _bootstrap(self, item: _Bootstrap) -> None:
         key = (item.pod, item.dp_rank)
@@ -455,7 +489,9 @@ class _Shard:
         for (pod, rank), st in list(self.streams.items()):
             if pod in pods and st.replay_endpoint is not None:
                 self.c.resyncs += 1
-                self._replay(st, pod, rank, st.model, 0 if st.last is None else st.last + 1)
+                start = 0 if st.last is None else st.last + 1
+                if start < REPLAY_END_SEQ:
+                    self._replay(st, pod, rank, st.model, start)
 
     def _error(self, kind: str, msg: str, n: int = 1) -> None:
         c = self.c
@@ -471,7 +507,9 @@ class EventPool:
         index: the index to write.
         concurrency: number of shards (worker threads), >= 1 (default 4).
         queue_size: bound of each shard's queue in messages, >= 1.
-        replay_timeout: seconds to wait for a replay reply before giving up.
+        replay_timeout: seconds to wait for each replay reply before giving up.
+        replay_max_batches: a replay that sends more batches than this without
+            its end marker is cut off (vLLM's buffer holds 10,000 by default).
         zmq_context: context for replay sockets (default: the process's).
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
@@ -485,6 +523,7 @@ class EventPool:
         concurrency: int = 4,
         queue_size: int = 10_000,
         replay_timeout: float = 2.0,
+        replay_max_batches: int = 20_000,
         zmq_context: zmq.Context | None = None,
     ) -> None:
         if concurrency < 1:
@@ -493,7 +532,12 @@ class EventPool:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.index = index
         self.queue_size = queue_size
+        if not 0 < replay_timeout < 3600:
+            raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {replay_timeout}")
+        if replay_max_batches < 1:
+            raise ValueError(f"replay_max_batches must be >= 1, got {replay_max_batches}")
         self.replay_timeout = replay_timeout
+        self.replay_max_batches = replay_max_batches
         self.zmq_context = zmq_context or zmq.Context.instance()
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
@@ -509,16 +553,18 @@ class EventPool:
         if not self._started:
             self._started = True
             for s in self._shards:
-                s.thread.start()
+                s.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the workers after the messages already queued; closes replay sockets."""
         if not self._started:
             return
+        deadline = time.monotonic() + timeout
         for s in self._shards:
             s.queue.put(_STOP)
         for s in self._shards:
-            s.thread.join(timeout)
+            if s.thread is not None:
+                s.thread.join(max(0.0, deadline - time.monotonic()))
         self._started = False
 
     def __enter__(self) -> EventPool:
@@ -547,10 +593,9 @@ class EventPool:
         """
         pod, _ = self.route(msg.source, msg.topic)
         shard = self._shards[self.shard_of(pod or "")]
-        try:
-            shard.queue.put_nowait(msg)
+        if shard.offer(msg):
             return True
-        except queue.Full:
+        else:
             with self._lock:
                 self._dropped += 1
             if pod is not None:
@@ -620,7 +665,7 @@ class EventPool:
         total = _Counters()
         queued = 0
         for s in self._shards:
-            queued += s.queue.qsize()
+            queued += s.pending
             for name in _Counters.__slots__:
                 if name != "errors_by_kind":
                     setattr(total, name, getattr(total, name) + getattr(s.c, name))

@@ -11,6 +11,7 @@ marker whose seq frame is eight 0xFF bytes and whose payload is empty.  A DEALER
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import zmq
@@ -29,7 +30,11 @@ class ReplayClient:
         context: ZMQ context.
         timeout: seconds to wait for each reply before giving up.
         on_error: called with (kind, message) for a malformed reply, which is
-            then skipped.
+            then skipped, and for a replay cut off (``replay_overrun``).
+        max_batches: a reply stream longer than this without its end marker is
+            cut off (an engine buffers 10,000 batches by default).
+        max_seconds: a whole replay taking longer than this is cut off
+            (default: 10 x timeout).
     """
 
     def __init__(
@@ -38,9 +43,13 @@ class ReplayClient:
         *,
         timeout: float = 2.0,
         on_error: Callable[[str, str], None] | None = None,
+        max_batches: int = 20_000,
+        max_seconds: float | None = None,
     ) -> None:
         self._ctx = context
         self._timeout_ms = max(1, int(timeout * 1000))
+        self._max_batches = max_batches
+        self._max_seconds = 10 * timeout if max_seconds is None else max_seconds
         self._sockets: dict[str, zmq.Socket] = {}
         self.on_error = on_error
 
@@ -70,9 +79,15 @@ class ReplayClient:
             raise ValueError(f"start_seq out of range: {start_seq}")
         sock = self._socket(endpoint)
         finished = False
+        deadline = time.monotonic() + self._max_seconds
+        yielded = 0
         try:
             sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
             while True:
+                if yielded >= self._max_batches or time.monotonic() > deadline:
+                    if self.on_error is not None:
+                        self.on_error("replay_overrun", f"replay from {endpoint} cut off after {yielded} batches")
+                    return
                 if not sock.poll(self._timeout_ms, zmq.POLLIN):
                     raise TimeoutError(f"no replay reply from {endpoint}")
                 frames = sock.recv_multipart()
@@ -87,6 +102,7 @@ class ReplayClient:
                 if seq == END_SEQ_FRAME:
                     finished = True
                     return
+                yielded += 1
                 yield topic, seq, payload
         finally:
             if not finished:

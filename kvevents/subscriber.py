@@ -108,7 +108,9 @@ class Subscriber:
         bind_replay: bind mode: pod -> replay endpoint of its DP rank 0 (rank r
             uses port + r).
         bind_engine: payload format of the engines dialling into ``bind``.
-        context: ZMQ context (default: the process's).
+        context: ZMQ context (default: one of its own, allowing ``max_sockets``).
+        max_sockets: socket limit of the default context; each engine DP rank
+            takes three (its SUB socket and a connection monitor's pair).
         rcvhwm: receive high-water mark per socket (messages).
     """
 
@@ -122,9 +124,14 @@ class Subscriber:
         bind_engine: str = "vllm",
         context: zmq.Context | None = None,
         rcvhwm: int = 100_000,
+        max_sockets: int = 65_536,
     ) -> None:
         self.pool = pool
-        self._ctx = context or zmq.Context.instance()
+        self._own_ctx = context is None
+        if context is None:
+            context = zmq.Context()
+            context.set(zmq.MAX_SOCKETS, max_sockets)
+        self._ctx = context
         self._engines = list(engines)
         self._bind = bind
         self._bind_replay = dict(bind_replay or {})
@@ -150,6 +157,7 @@ class Subscriber:
         """
         if self._thread is not None:
             return
+        self._error = None
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="kvevents-subscriber", daemon=True)
         self._thread.start()
@@ -193,7 +201,11 @@ class Subscriber:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sock.setsockopt(zmq.SUBSCRIBE, eng.topic.encode())
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             source = Source(pod=eng.pod, engine=eng.engine, replay=replay, dp_rank=rank, model=eng.model)
             sockets[sock] = source
             owners.setdefault(eng.pod, []).append(sock)

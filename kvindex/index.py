@@ -344,7 +344,9 @@ class KVBlockIndex:
             if dp_rank is None:
                 for rk in self._spec_by_pod.pop(pod, ()):
                     holders = self._spec.get(rk)
-                    if holders is not None and holders.pop(pod, None) is not None:
+                    expiry = holders.pop(pod, None) if holders is not None else None
+                    if expiry is not None:
+                        self._spec_order.discard((expiry, rk, pod))
                         n += 1
                         if not holders:
                             del self._spec[rk]
@@ -365,8 +367,8 @@ class KVBlockIndex:
         Raises:
             ValueError: ttl <= 0.
         """
-        if not ttl > 0:
-            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        if not 0 < ttl < 86_400:
+            raise ValueError(f"ttl must be in (0, 86400) seconds, got {ttl}")
         expiry = self._clock() + ttl
         with self._lock:
             self._expire(expiry - ttl)
@@ -377,6 +379,9 @@ class KVBlockIndex:
                 if pods is not None and pod in pods:
                     continue
                 holders = self._spec.setdefault(rk, {})
+                old = holders.get(pod)
+                if old is not None:  # re-marked: its old expiry entry goes
+                    self._spec_order.discard((old, rk, pod))
                 holders[pod] = expiry
                 mine.add(rk)
                 self._spec_order.add((expiry, rk, pod))
@@ -618,7 +623,9 @@ class KVBlockIndex:
         self._c["stored_blocks"] += 1
         if self._spec:
             holders = self._spec.get(rk)
-            if holders is not None and holders.pop(pod, None) is not None:
+            expiry = holders.pop(pod, None) if holders is not None else None
+            if expiry is not None:
+                self._spec_order.discard((expiry, rk, pod))
                 self._c["speculative_confirmed"] += 1
                 if not holders:
                     del self._spec[rk]
