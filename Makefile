@@ -28,6 +28,7 @@ demo-vllm: $(STAMP)
 	$(PY) -m examples.router.demo_vllm
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py

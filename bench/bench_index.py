@@ -158,6 +158,28 @@ def bench_read(reps: int, pods: int = 8, tokens: int = 8192) -> dict[str, float]
     }
 
 
+def plot(ingest: dict[str, float], read: dict[str, float], path: Path) -> None:
+    """Two bar charts: ingest blocks/s and read-path microseconds, ours beside the peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["peer", "index", "pool x1", "pool x4"]
+    vals = [ingest[k] for k in ("peer_blocks_per_s", "index_blocks_per_s", "pool_1_shard_blocks_per_s",
+                                "pool_4_shards_blocks_per_s")]
+    a.bar(names, vals, color=["grey", "C0", "C0", "C0"])
+    a.set_title("ingest, blocks/s (higher is better)")
+    names = ["peer match", "prefix_match", "request_keys", "score()"]
+    vals = [read[k] for k in ("peer_prefix_match_us", "prefix_match_us", "request_keys_numpy_us", "score_numpy_us")]
+    b.bar(names, vals, color=["grey", "C0", "C0", "C0"])
+    b.set_title("8,192-token prompt, 8 pods, us (lower is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=5000)
@@ -182,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "index.json").write_text(json.dumps({"ingest": ingest, "read": read}, indent=2))
-    print(f"wrote {out / 'index.json'}")
+    plot(ingest, read, out / "index.png")
+    print(f"wrote {out / 'index.json'} and {out / 'index.png'}")
     return 0
 
 
