@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"decode errors {e.decode_errors}"
             )
             last = reqs[-1][1]
-            print("\nlast request, explained:\n" + ix.score(last, pods).explain())
+            print("\nthe last prompt, scored again now that its pod holds it:\n" + ix.score(last, pods).explain())
 
     blocks_s, batches_s = ingest_rate()
     print(f"\ningest (pool + index, 4 shards, 4-block events): {blocks_s:,.0f} blocks/s, {batches_s:,.0f} batches/s")

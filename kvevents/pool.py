@@ -360,12 +360,19 @@ class _Shard:
 
         Without this, a restarted engine that has not published yet would
         keep its predecessor's blocks in the index until its first message.
+        Without a replay endpoint the stream is cleared: it cannot be told
+        from a restart (configure replay endpoints to keep the index across
+        network blips).
         """
         st = self.streams.get((pod, rank))
-        if st is None or not st.suspect or st.replay_endpoint is None:
+        if st is None or not st.suspect:
             return
         st.suspect = False
-        if not self._same_process(st, pod, rank):
+        if st.replay_endpoint is None:
+            # nothing to verify against: a restarted engine has an empty cache, so
+            # forget the pod rather than predict blocks it may no longer hold
+            self._restarted(st, pod, rank, "reconnected; no replay endpoint to verify it is the same process")
+        elif not self._same_process(st, pod, rank):
             self._restarted(st, pod, rank, "a different process answered after a reconnect")
             self._replay(st, pod, rank, st.model, 0)
 
