@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import json
 import os
 import shlex
+import random
 import signal
 import socket
 import subprocess
@@ -159,18 +161,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Engine ports are drawn below Linux's ephemeral range (32768-60999), so a
+#: socket that another process binds to "any free port" between our check and
+#: the engine's own bind cannot take them.
+PORT_RANGE = (20_000, 32_000)
+
+
 def _free_ports(count: int) -> list[int]:
-    """Return ``count`` distinct free ports (all held open until all are chosen)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((HOST, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """Return ``count`` distinct ports from :data:`PORT_RANGE` that are free now."""
+    rng = random.Random()
+    chosen: list[int] = []
+    while len(chosen) < count:
+        port = rng.randrange(*PORT_RANGE)
+        if port in chosen:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        chosen.append(port)
+    return chosen
 
 
 def _descendants(pid: int) -> list[int]:
@@ -310,7 +321,7 @@ class Engine:
         """True when ``GET /health`` answers 200 right now."""
         try:
             status, _ = self.request("GET", "/health", timeout=2.0)
-        except OSError:
+        except (OSError, http.client.HTTPException):  # not up yet, or not an HTTP server at all
             return False
         return status == 200
 
