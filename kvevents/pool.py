@@ -397,9 +397,7 @@ class _Shard:
             return False
         self.c.replay_requests += 1
         try:
-            for topic, seq_frame, payload in self.replay.request(st.replay_endpoint, st.last):
-                if topic is not None and parse_topic(topic)[0] not in (None, pod):
-                    continue
+            for _topic, seq_frame, payload in self.replay.request(st.replay_endpoint, st.last):
                 decoded = self._decode(Source(pod=pod, engine=st.engine, dp_rank=rank), seq_frame, payload)
                 if decoded is None:
                     continue
@@ -456,10 +454,8 @@ class _Shard:
             for topic, seq_frame, payload in self.replay.request(st.replay_endpoint, start):
                 r_model = model
                 if topic is not None:
-                    t_pod, t_model = parse_topic(topic)
-                    if t_pod is not None and t_pod != pod:
-                        continue  # another publisher's history on a shared endpoint
-                    r_model = t_model or model
+                    # the replay endpoint is this stream's publisher's own, whatever its topic says
+                    r_model = parse_topic(topic)[1] or model
                 decoded = self._decode(source, seq_frame, payload)
                 if decoded is None:
                     continue
@@ -548,7 +544,7 @@ class EventPool:
         self.zmq_context = zmq_context or zmq.Context.instance()
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
-        self._extra_errors: dict[str, int] = {}
+        self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
         self._lock = threading.Lock()
         self._shards = [_Shard(self, i) for i in range(concurrency)]
         self._started = False
@@ -588,9 +584,25 @@ class EventPool:
         return xxhash.xxh3_64_intdigest(pod.encode()) % len(self._shards)
 
     def route(self, source: Source, topic: bytes) -> tuple[str | None, str | None]:
-        """(pod, model) of a message: from the topic ``kv@<pod>@<model>``, else the source's."""
+        """(pod, model) of a message.
+
+        The pod: the subscription's configured pod when it has one (one socket
+        per engine: the router's name for it is what it routes by), else the
+        topic's ``kv@<pod>@<model>``.  The model: the topic's, else the
+        configured one.  A topic naming another pod than the configured one
+        is counted (``topic_pod_mismatch``) and logged: the blocks are filed
+        under the configured pod.
+        """
         pod, model = parse_topic(topic)
-        return (pod or source.pod, model or source.model)
+        if source.pod is not None:
+            if pod is not None and pod != source.pod:
+                self.record_error(
+                    "topic_pod_mismatch",
+                    f"topic names pod {pod!r} but the subscription is configured as {source.pod!r}; "
+                    f"filing its blocks under {source.pod!r}",
+                )
+            pod = source.pod
+        return (pod, model or source.model)
 
     def submit(self, msg: RawMessage) -> bool:
         """Queue one message for its pod's shard; never blocks.
@@ -598,7 +610,7 @@ class EventPool:
         Returns False when the shard queue is full: the message is dropped,
         counted, and the pod is marked for resync (see module doc).
         """
-        pod, _ = self.route(msg.source, msg.topic)
+        pod = msg.source.pod or parse_topic(msg.topic)[0]
         shard = self._shards[self.shard_of(pod or "")]
         if shard.offer(msg):
             return True

@@ -351,7 +351,7 @@ def sub_rig() -> Iterator[SubRig]:
     index = KVBlockIndex(TP)
     pool = EventPool(index, concurrency=2)
     pool.start()
-    sub = Subscriber(pool, [EngineEndpoint(endpoint=endpoint, pod="configured", model=MODEL)])
+    sub = Subscriber(pool, [EngineEndpoint(endpoint=endpoint, pod=POD, model=MODEL)])
     sub.start()
     r = SubRig(pub, sub, pool, index, [0])
     try:
