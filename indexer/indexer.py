@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -35,6 +36,8 @@ from scorer.picker import Choice, PickerWeights, WeightedPicker
 from scorer.prefix import PrefixScore, prefix_scores_from_matches
 
 __all__ = ["Indexer", "Score", "IndexerStats"]
+
+log = logging.getLogger("indexer")
 
 
 class Score(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +120,7 @@ class Indexer:
         self._loads: dict[str, LoadSnapshot] = {}
         self._in_flight: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._model_warned: set[str | None] = set()
 
     # -- lifecycle
 
@@ -231,6 +235,7 @@ class Indexer:
         keys = self.request_keys(
             tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
         )
+        self._check_model(model if model is not None else self.config.model_name)
         if loads is None:
             loads = self.loads()
         elif not isinstance(loads, Mapping) or not all(
@@ -255,6 +260,20 @@ class Indexer:
             choice=choice,
             pod=choice.pod if choice is not None else None,
         )
+
+    def _check_model(self, model: str | None) -> None:
+        """Warn once when scoring a model no event has stored blocks for: keys are
+        scoped by model, so a name that differs from the engines' topics matches nothing."""
+        if self.token_processor.engine_compatible or model in self._model_warned:
+            return
+        seen = self.index.models()
+        if seen and model not in seen:
+            self._model_warned.add(model)
+            log.warning(
+                "scoring for model %r, but the engines' events name %s: keys are scoped by model, so "
+                "nothing will match (set model_name / pass model= as in the topics kv@<pod>@<model>)",
+                model, sorted(map(str, seen)),
+            )
 
     def route(self, tokens: Sequence[int] | np.ndarray, pods: Collection[str] | None = None, **kw) -> Score:
         """:meth:`score`, then count the request in flight on the chosen pod and,

@@ -186,6 +186,7 @@ class KVBlockIndex:
         # orphans: unknown parent engine key -> waiting stores
         self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
         self._orphan_blocks = 0
+        self._models: set[str | None] = set()  # models named by stored events (key scopes)
         # (pod, rank, engine key) -> the waiting store holding that block
         self._orphan_by_ek: dict[tuple[str, int, int], _Orphan] = {}
         # speculative: request key -> pod -> expiry; expiry order
@@ -265,6 +266,8 @@ class KVBlockIndex:
                 raise ValueError(
                     f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}"
                 )
+            if model not in self._models:
+                self._models.add(model)
             extras = extra_keys_from_event(extra_keys, lora_name)
             if extras is not None:
                 if len(extras) != len(engine_keys):
@@ -531,6 +534,11 @@ class KVBlockIndex:
                 if p == pod and (dp_rank is None or r == dp_rank):
                     out.update(emap.values())
             return out
+
+    def models(self) -> frozenset[str | None]:
+        """Models whose blocks events have stored (their keys are scoped by them)."""
+        with self._lock:
+            return frozenset(self._models)
 
     def __len__(self) -> int:
         return len(self._blocks)

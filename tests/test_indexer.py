@@ -104,3 +104,15 @@ def test_route_counts_in_flight_and_speculates():
     ix.request_finished(r.pod)
     ix.request_finished(r.pod)
     assert ix.loads()[r.pod].in_flight == 0
+
+
+def test_scoring_a_model_the_events_never_named_warns_once(caplog):
+    ix = indexer()
+    store(ix, "a", 3)  # events name model "m"
+    with caplog.at_level("WARNING", logger="indexer"):
+        assert ix.score(TOKENS, model="other").prefix["a"].matched_blocks == 0
+        ix.score(TOKENS, model="other")
+        assert ix.score(TOKENS).prefix["a"].matched_blocks == 3
+    warnings = [r for r in caplog.records if "scoped by model" in r.getMessage()]
+    assert len(warnings) == 1 and "'other'" in warnings[0].getMessage()
+    assert ix.index.models() == {"m"}
