@@ -8,5 +8,7 @@ import each other.
 
 from indexer.config import Config, load_config
 from indexer.indexer import Indexer, IndexerStats, Score
+from kvevents.subscriber import EngineEndpoint
+from scorer.load import LoadSnapshot
 
-__all__ = ["Config", "Indexer", "IndexerStats", "Score", "load_config"]
+__all__ = ["Config", "EngineEndpoint", "Indexer", "IndexerStats", "LoadSnapshot", "Score", "load_config"]

@@ -7,3 +7,26 @@ and payloads (both its map and its older positional event encodings),
 engine-neutral events of :mod:`kvevents.events` that the pool applies to the
 index.  Decoders raise :class:`kvevents.wire.PayloadError` and nothing else.
 """
+
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvevents.pool import EventPool, PoolStats, RawMessage, Source
+from kvevents.sglang import decode_sglang_batch
+from kvevents.subscriber import EngineEndpoint, Subscriber
+from kvevents.wire import PayloadError, decode_vllm_batch, parse_topic
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineEndpoint",
+    "EventBatch",
+    "EventPool",
+    "PayloadError",
+    "PoolStats",
+    "RawMessage",
+    "Source",
+    "Subscriber",
+    "decode_sglang_batch",
+    "decode_vllm_batch",
+    "parse_topic",
+]
