@@ -3,14 +3,15 @@
 Names are snake_case and follow llm-d's KV-cache manager configuration where
 it has an equivalent (``token_processor_config.block_size``, ``hash_seed``,
 ``kv_block_index_config.in_memory_config.size``,
-``kv_events_config.zmq_endpoint`` / ``topic_filter`` / ``concurrency``).
+``kv_events_config.zmq_endpoint`` / ``concurrency``; llm-d's ``topicFilter``
+is the per-engine ``topic``).
 
 Example (YAML)::
 
     model_name: tiny-llama
     token_processor_config:
       block_size: 16
-      hash_seed: "0"
+      hash_seed: 0                   # int or str (0 and "0" are different seeds)
       algorithm: xxh3_chain          # or vllm_sha256_cbor / vllm_sha256
     kv_block_index_config:
       in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
