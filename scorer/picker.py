@@ -103,6 +103,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
         explanation: pod -> :class:`PodExplanation` for every candidate, in
             ranking order (the chosen pod first).
         picker: name of the picker that decided ("weighted", "load", "random").
+        weights: the weights the total was computed with (None for the random picker).
     """
 
     pod: str
@@ -110,6 +111,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     explanation: dict[str, PodExplanation]
     dp_rank: int | None = None
     picker: str = "weighted"
+    weights: PickerWeights | None = None
 
     def explain(self) -> str:
         """A human-readable table: one row per candidate, the chosen pod marked ``*``."""
@@ -132,7 +134,12 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
-        lines = [f"picker={self.picker} chosen={self.pod} score={self.score:.3f}"]
+        head = f"picker={self.picker} chosen={self.pod} score={self.score:.3f}"
+        if self.weights is not None:
+            w = self.weights
+            head += (f"  (total = {w.prefix:g} x prefix + {w.kv_usage:g} x kv + {w.queue:g} x queue;"
+                     " the three columns are unweighted, 0..1)")
+        lines = [head]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
         return "\n".join(lines)
@@ -275,7 +282,7 @@ class WeightedPicker:
                 load_known=r.load_known,
                 reason=self._reason(i, r, win, ranked, totals, use_prefix),
             )
-        return Choice(pod=win.pod, score=totals[win.pod], explanation=expl, picker=self.name)
+        return Choice(pod=win.pod, score=totals[win.pod], explanation=expl, picker=self.name, weights=self.weights)
 
     def _reason(
         self,

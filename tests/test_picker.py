@@ -197,7 +197,7 @@ def test_explain_table_and_roundtrip():
     c = WeightedPicker().pick(prefix, {"b": LoadSnapshot(waiting=3, kv_usage=0.25)}, ["a", "b"])
     text = c.explain()
     lines = text.splitlines()
-    assert lines[0] == "picker=weighted chosen=a score=5.500"
+    assert lines[0] == "picker=weighted chosen=a score=5.500  (total = 3 x prefix + 2 x kv + 2 x queue; the three columns are unweighted, 0..1)"
     assert lines[1].split()[:4] == ["pod", "total", "prefix", "kv"]
     assert lines[2].startswith("*  a") and "64" in lines[2]
     assert lines[3].split()[0] == "b" and "0.25" in lines[3]
