@@ -32,8 +32,19 @@ from examples.router.app import Router, RouterConfig, load_router_config, parse_
 
 def build_config(argv: list[str] | None = None) -> RouterConfig:
     """Parse the command line into a :class:`RouterConfig` (exits with usage on errors)."""
-    p = argparse.ArgumentParser(prog="python -m examples.router", description=__doc__.splitlines()[0])
-    p.add_argument("--engine", action="append", default=[], metavar="[POD@]URL=ZMQ[,REPLAY]")
+    p = argparse.ArgumentParser(
+        prog="python -m examples.router",
+        description="An OpenAI-compatible proxy that routes each request to the vLLM engine "
+        "holding most of its prompt's KV cache (kvindex), mixed with load.",
+        epilog="Example: python -m examples.router --port 8080 "
+        "--engine pod-0@http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 "
+        "--engine pod-1@http://10.0.0.6:8000=tcp://10.0.0.6:5557,tcp://10.0.0.6:5558",
+    )
+    p.add_argument(
+        "--engine", action="append", default=[], metavar="[POD@]URL=ZMQ[,REPLAY]",
+        help="one engine (repeat for each): HTTP base URL, KV-event endpoint and, after a comma, replay "
+        "endpoint; POD (default: the URL's host:port) must be the pod of the engine's topic kv@<pod>@<model>",
+    )
     p.add_argument("--model", help="served model name (default: ask the first engine's /v1/models)")
     p.add_argument("--block-size", type=int, help="tokens per block, = the engines' --block-size (default 32)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -68,10 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the router until interrupted."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(argv)
-    router = Router(config)
+    try:
+        router = Router(config)
+    except (RuntimeError, ValueError) as e:
+        print(f"python -m examples.router: error: {e}", file=sys.stderr)
+        return 2
     for spec in config.engines:
         print(f"engine {spec.pod}: {spec.url} events {spec.endpoint} replay {spec.replay_endpoint}", file=sys.stderr)
-    web.run_app(router.app(), host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
+    try:
+        web.run_app(router.app(), host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
+    except (RuntimeError, OSError) as e:  # e.g. no engine answered /v1/models, or the port is taken
+        print(f"python -m examples.router: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
