@@ -33,7 +33,7 @@ from kvindex.keys import TokenProcessor
 from kvindex.tiers import TierWeights
 from scorer.load import LoadSnapshot
 from scorer.picker import Choice, PickerWeights, WeightedPicker
-from scorer.prefix import PrefixScore, prefix_scores_from_matches
+from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_from_matches
 
 __all__ = ["Indexer", "Score", "IndexerStats"]
 
@@ -54,6 +54,17 @@ class Score(msgspec.Struct, frozen=True, kw_only=True):
     prefix: dict[str, PrefixScore]
     choice: Choice | None
     pod: str | None
+    prompt_tokens: int = 0
+
+    def predicted_cached_tokens(self, pod: str | None = None) -> int:
+        """Prefix-cache hit tokens vLLM will report if the prompt runs on ``pod``
+        (default: the chosen pod): the matched prefix, capped so the engine still
+        computes at least one token (see scorer.prefix.predicted_cached_tokens).
+        KeyError for a pod that was not a candidate."""
+        pod = self.pod if pod is None else pod
+        if pod is None:
+            return 0
+        return predicted_cached_tokens(self.prefix[pod].matched_blocks, self.prompt_tokens, self.block_size)
 
     def explain(self) -> str:
         """The picker's table, or a one-line note when nothing could be chosen."""
@@ -259,6 +270,7 @@ class Indexer:
             prefix=prefix,
             choice=choice,
             pod=choice.pod if choice is not None else None,
+            prompt_tokens=len(tokens),
         )
 
     def _check_model(self, model: str | None) -> None:

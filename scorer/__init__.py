@@ -8,7 +8,7 @@ index only; it never imports kvevents.
 
 from scorer.load import LoadSnapshot, fetch_load, parse_vllm_metrics
 from scorer.picker import Choice, LoadPicker, PickerWeights, PodExplanation, RandomPicker, WeightedPicker
-from scorer.prefix import PrefixIndex, PrefixScore, prefix_scores_from_matches, score_prefix
+from scorer.prefix import PrefixIndex, PrefixScore, predicted_cached_tokens, prefix_scores_from_matches, score_prefix
 
 __all__ = [
     "Choice",
@@ -22,6 +22,7 @@ __all__ = [
     "WeightedPicker",
     "fetch_load",
     "parse_vllm_metrics",
+    "predicted_cached_tokens",
     "prefix_scores_from_matches",
     "score_prefix",
 ]

@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import numpy as np
 
 __all__ = [
+    "predicted_cached_tokens",
     "PrefixIndex",
     "PrefixScore",
     "prefix_scores_from_matches",
@@ -219,3 +220,22 @@ def score_prefix(
 
 
 _DEFAULT_WEIGHTS = TierWeights()
+
+
+def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens the engine will report as prefix-cache hits for a prompt.
+
+    ``min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size``:
+    the index's consecutive prefix match (blocks), capped so that at least one
+    prompt token is computed, in whole blocks (mirrors vLLM 0.32
+    ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length =
+    request.num_tokens - 1``). 0 for an empty prompt.
+
+    Raises:
+        ValueError: negative counts or a block size < 1.
+    """
+    if matched_blocks < 0 or prompt_tokens < 0 or block_size < 1:
+        raise ValueError(f"bad arguments: {matched_blocks=}, {prompt_tokens=}, {block_size=}")
+    if prompt_tokens == 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size

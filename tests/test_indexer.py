@@ -116,3 +116,13 @@ def test_scoring_a_model_the_events_never_named_warns_once(caplog):
     warnings = [r for r in caplog.records if "scoped by model" in r.getMessage()]
     assert len(warnings) == 1 and "'other'" in warnings[0].getMessage()
     assert ix.index.models() == {"m"}
+
+
+def test_score_predicts_what_the_engine_will_report():
+    ix = indexer()
+    store(ix, "a", 10)  # the whole 40-token prompt
+    r = ix.score(TOKENS, pods=["a", "b"])
+    assert r.prompt_tokens == 40
+    assert r.predicted_cached_tokens() == 36  # the engine recomputes the last block
+    assert r.predicted_cached_tokens("b") == 0
+    assert ix.score(TOKENS + [7]).predicted_cached_tokens("a") == 40

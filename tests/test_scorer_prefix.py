@@ -314,3 +314,15 @@ def test_real_index_agrees_with_dict_oracle(held, n_req):
     got = score_prefix(idx, req, ["a", "b", "c"], block_size=bs)
     want = score_prefix(DictIndex(model), req, ["a", "b", "c"], block_size=bs)
     assert got == want
+
+
+def test_predicted_cached_tokens_follows_vllms_hit_rule():
+    from scorer.prefix import predicted_cached_tokens
+
+    assert predicted_cached_tokens(4, 128, 32) == 96  # fully cached, block-aligned: the last block is recomputed
+    assert predicted_cached_tokens(4, 129, 32) == 128
+    assert predicted_cached_tokens(2, 200, 32) == 64  # the match is the limit
+    assert predicted_cached_tokens(5, 0, 32) == 0
+    assert predicted_cached_tokens(1, 32, 32) == 0
+    with pytest.raises(ValueError):
+        predicted_cached_tokens(-1, 10, 32)

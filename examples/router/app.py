@@ -77,6 +77,7 @@ from prometheus_client.registry import Collector
 from indexer import Config, Indexer
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import fetch_load
+from scorer.prefix import predicted_cached_tokens
 
 __all__ = [
     "Decision",
@@ -131,23 +132,6 @@ PREDICTED_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32
 """Histogram buckets of predicted cached tokens per request."""
 
 
-def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
-    """Tokens the engine will report as prefix-cache hits for a prompt.
-
-    ``min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size``:
-    the index's consecutive prefix match (blocks), capped so that at least one
-    prompt token is computed, in whole blocks (mirrors vLLM 0.32
-    ``KVCacheManager.get_computed_blocks``: ``max_cache_hit_length =
-    request.num_tokens - 1``). 0 for an empty prompt.
-
-    Raises:
-        ValueError: negative counts or a block size < 1.
-    """
-    if matched_blocks < 0 or prompt_tokens < 0 or block_size < 1:
-        raise ValueError(f"bad arguments: {matched_blocks=}, {prompt_tokens=}, {block_size=}")
-    if prompt_tokens == 0:
-        return 0
-    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 
 # -- configuration -------------------------------------------------------------

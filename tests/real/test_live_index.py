@@ -50,6 +50,7 @@ from kvevents.pool import PoolStats
 from kvevents.wire import decode_vllm_batch
 from kvindex.index import PodEntry
 from kvindex.keys import TokenProcessor
+from scorer.prefix import predicted_cached_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -160,7 +161,7 @@ def engine_hit_tokens(matched_blocks: int, prompt_tokens: int) -> int:
 
     The lookup stops at ``num_tokens - 1`` tokens, in whole blocks (module doc).
     """
-    return BLOCK * min(matched_blocks, (prompt_tokens - 1) // BLOCK)
+    return predicted_cached_tokens(matched_blocks, prompt_tokens, BLOCK)
 
 
 def indexer_config(engines: list[Engine], algorithm: str = "xxh3_chain") -> Config:

@@ -40,7 +40,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.router.app import Router, RunningRouter, parse_engine_arg, predicted_cached_tokens
+from examples.router.app import Router, RunningRouter, parse_engine_arg
 from examples.router.demo_vllm import (
     Record,
     precision_recall,
@@ -50,6 +50,7 @@ from examples.router.demo_vllm import (
     summarize,
 )
 from examples.vllm_fleet.fleet import VllmFleet, free_port
+from scorer.prefix import predicted_cached_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
