@@ -112,6 +112,9 @@ class Subscriber:
         max_sockets: socket limit of the default context; each engine DP rank
             takes three (its SUB socket and a connection monitor's pair).
         rcvhwm: receive high-water mark per socket (messages).
+        max_message_bytes: a larger message makes ZMQ drop that connection
+            (it reconnects; the pool then checks the engine as after any
+            disconnect), so one hostile peer cannot exhaust memory.
     """
 
     def __init__(
@@ -125,7 +128,9 @@ class Subscriber:
         context: zmq.Context | None = None,
         rcvhwm: int = 100_000,
         max_sockets: int = 65_536,
+        max_message_bytes: int = 64 << 20,
     ) -> None:
+        self._max_msg = max_message_bytes
         self.pool = pool
         self._own_ctx = context is None
         if context is None:
@@ -200,6 +205,7 @@ class Subscriber:
             sock = self._ctx.socket(zmq.SUB)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
             sock.setsockopt(zmq.SUBSCRIBE, eng.topic.encode())
             try:
                 sock.connect(endpoint)
@@ -226,6 +232,7 @@ class Subscriber:
                     sock = self._ctx.socket(zmq.SUB)
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+                    sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
                     sock.bind(self._bind)
                     sockets[sock] = self._source_for_bind()
