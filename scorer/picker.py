@@ -178,6 +178,20 @@ class _Inputs(msgspec.Struct):
     kv_cache_usage: float
     load_known: bool
 
+    def explanation(self, total: float, reason: str) -> PodExplanation:
+        return PodExplanation(
+            total=total,
+            prefix=self.prefix,
+            kv_usage=self.kv,
+            queue=self.queue,
+            matched_tokens=self.matched_tokens,
+            waiting=self.waiting,
+            in_flight=self.in_flight,
+            kv_cache_usage=self.kv_cache_usage,
+            load_known=self.load_known,
+            reason=reason,
+        )
+
 
 def _gather(
     prefix: Mapping[str, PrefixScore], loads: Mapping[str, LoadSnapshot], pods: list[str]
@@ -270,18 +284,7 @@ class WeightedPicker:
         win = ranked[0]
         expl: dict[str, PodExplanation] = {}
         for i, r in enumerate(ranked):
-            expl[r.pod] = PodExplanation(
-                total=totals[r.pod],
-                prefix=r.prefix,
-                kv_usage=r.kv,
-                queue=r.queue,
-                matched_tokens=r.matched_tokens,
-                waiting=r.waiting,
-                in_flight=r.in_flight,
-                kv_cache_usage=r.kv_cache_usage,
-                load_known=r.load_known,
-                reason=self._reason(i, r, win, ranked, totals, use_prefix),
-            )
+            expl[r.pod] = r.explanation(totals[r.pod], self._reason(i, r, win, ranked, totals, use_prefix))
         return Choice(pod=win.pod, score=totals[win.pod], explanation=expl, picker=self.name, weights=self.weights)
 
     def _reason(
@@ -362,18 +365,7 @@ class RandomPicker:
         rows = _gather(prefix, loads, pods)
         rows.sort(key=lambda r: (r.pod != chosen, r.pod))
         expl = {
-            r.pod: PodExplanation(
-                total=1.0 if r.pod == chosen else 0.0,
-                prefix=r.prefix,
-                kv_usage=r.kv,
-                queue=r.queue,
-                matched_tokens=r.matched_tokens,
-                waiting=r.waiting,
-                in_flight=r.in_flight,
-                kv_cache_usage=r.kv_cache_usage,
-                load_known=r.load_known,
-                reason="drawn at random" if r.pod == chosen else "not drawn",
-            )
+            r.pod: r.explanation(1.0 if r.pod == chosen else 0.0, "drawn at random" if r.pod == chosen else "not drawn")
             for r in rows
         }
         return Choice(pod=chosen, score=1.0, explanation=expl, picker=self.name)

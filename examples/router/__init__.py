@@ -15,7 +15,6 @@ from examples.router.app import (
     RunningRouter,
     load_router_config,
     parse_engine_arg,
-    predicted_cached_tokens,
 )
 
 __all__ = [
@@ -26,5 +25,4 @@ __all__ = [
     "RunningRouter",
     "load_router_config",
     "parse_engine_arg",
-    "predicted_cached_tokens",
 ]

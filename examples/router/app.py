@@ -87,7 +87,6 @@ __all__ = [
     "RunningRouter",
     "load_router_config",
     "parse_engine_arg",
-    "predicted_cached_tokens",
 ]
 
 log = logging.getLogger("kvindex.router")
