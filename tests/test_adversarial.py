@@ -692,10 +692,8 @@ def test_score_rejects_a_str_pods_argument_and_short_prompts_are_fine():
 
 def test_update_load_rejects_a_non_snapshot():
     ix = Indexer(Config.from_dict({"model_name": "m"}))
-    try:
+    with pytest.raises(TypeError):
         ix.update_load("a", 5)  # type: ignore[arg-type]
-    except TypeError:
-        pass
     ix.update_load("b", LoadSnapshot())
     assert ix.score(list(range(32))).pod is not None
 

@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import msgspec
 import pytest
 import zmq
 
+from tests.real.prompts import text_prompt, token_prompt
 from examples.vllm_fleet.fleet import Engine, VllmFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -153,22 +153,6 @@ def stored_hashes(events: list[dict[str, Any]]) -> list[int]:
 def has_tokens(n: int) -> Callable[[list[dict[str, Any]]], bool]:
     """Predicate: BlockStored events cover at least ``n`` tokens."""
     return lambda events: len(stored_tokens(events)) >= n
-
-
-def token_prompt(seed: str, length: int) -> list[int]:
-    """Deterministic token ids in [3, 600) (0-2 are the special tokens)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 600) for _ in range(length)]
-
-
-def text_prompt(seed: str, words: int) -> str:
-    """Deterministic English-like text."""
-    rng = random.Random(seed)
-    vocab = (
-        "the router sends each request to the pod that already holds the longest "
-        "prefix of its blocks so that the engine can skip the prefill of cached tokens"
-    ).split()
-    return " ".join(rng.choice(vocab) for _ in range(words))
 
 
 def complete(engine: Engine, prompt: list[int] | str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:

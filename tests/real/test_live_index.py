@@ -35,7 +35,6 @@ N prompt tokens whose first M blocks are cached reports
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -43,6 +42,7 @@ from typing import TypeVar
 import pytest
 import zmq
 
+from tests.real.prompts import text_prompt, token_prompt
 from examples.vllm_fleet.fleet import Engine, VllmFleet
 from indexer import Config, Indexer
 from kvevents.events import BlockStored, Event
@@ -72,22 +72,6 @@ def until(check: Callable[[], T], what: str, timeout: float = 30.0) -> T:
         if time.monotonic() > deadline:
             pytest.fail(f"not reached within {timeout:.0f} s: {what}")
         time.sleep(0.05)
-
-
-def token_prompt(seed: str, length: int) -> list[int]:
-    """Deterministic token ids in [3, 600) (0-2 are the tokenizer's special tokens)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, 600) for _ in range(length)]
-
-
-def text_prompt(seed: str, words: int) -> str:
-    """Deterministic English-like text."""
-    rng = random.Random(seed)
-    vocab = (
-        "a router that knows which pod holds the blocks of a prompt sends the request "
-        "there and the engine skips the prefill of every cached token in that prefix"
-    ).split()
-    return " ".join(rng.choice(vocab) for _ in range(words))
 
 
 def complete(engine: Engine, prompt: list[int] | str, max_tokens: int = 1) -> list[int]:
