@@ -107,9 +107,9 @@ class _PodBlock:
 
     __slots__ = ("mask", "ranks")
 
-    def __init__(self) -> None:
-        self.mask = 0
-        self.ranks: dict[int, list[int]] = {}
+    def __init__(self, mask: int = 0, ranks: dict[int, list[int]] | None = None) -> None:
+        self.mask = mask
+        self.ranks: dict[int, list[int]] = {} if ranks is None else ranks
 
     def refresh(self) -> None:
         m = 0
@@ -576,9 +576,10 @@ class KVBlockIndex:
             rks = self.token_processor.chain(
                 prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys
             )
+            stream = self._stream(it.pod, it.dp_rank)
             for ek, rk in zip(it.engine_keys, rks.tolist()):
                 if ek not in it.removed:
-                    self._put(it.pod, it.dp_rank, ek, rk, it.tier)
+                    self._put(it.pod, it.dp_rank, ek, rk, it.tier, stream)
                     attached += 1
                 waiting = self._orphans.pop(ek, None) if self._orphans else None
                 if waiting:
@@ -588,12 +589,25 @@ class KVBlockIndex:
                         work.append((w, rk))
         return attached
 
-    def _put(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int) -> None:
-        """Record that (pod, rank) holds request key ``rk`` as engine key ``ek`` in tier ``bit``."""
+    def _stream(self, pod: str, dp_rank: int) -> dict[int, int]:
         stream = self._streams.get((pod, dp_rank))
         if stream is None:
             stream = self._streams[(pod, dp_rank)] = {}
+        return stream
+
+    def _put(
+        self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int] | None = None
+    ) -> None:
+        """Record that (pod, rank) holds request key ``rk`` as engine key ``ek`` in tier ``bit``.
+
+        ``stream``: the (pod, rank) engine-key map when the caller has it at hand.
+        """
+        if stream is None:
+            stream = self._stream(pod, dp_rank)
         old_rk = stream.get(ek)
+        if old_rk is None and rk not in self._blocks:
+            self._put_new(pod, dp_rank, ek, rk, bit, stream)
+            return
         if old_rk is not None and old_rk != rk:
             # the engine reused this hash for other content: forget the old mapping
             self._drop_copy(pod, dp_rank, ek, old_rk, -1)
@@ -629,17 +643,46 @@ class KVBlockIndex:
                     v[0] = rk
                     v[1] += 1
         self._c["stored_blocks"] += 1
-        if self._spec:
-            holders = self._spec.get(rk)
-            expiry = holders.pop(pod, None) if holders is not None else None
-            if expiry is not None:
-                self._spec_order.discard((expiry, rk, pod))
-                self._c["speculative_confirmed"] += 1
-                if not holders:
-                    del self._spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
+        if self._spec and rk in self._spec:
+            self._confirm_speculative(pod, rk)
+
+    def _put_new(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int]) -> None:
+        """:meth:`_put` for a request key nobody holds yet (the common case), with less lookup."""
+        blocks = self._blocks
+        blocks[rk] = {pod: _PodBlock(bit, {dp_rank: [bit, ek]})}
+        if len(blocks) > self.capacity:
+            self._evict_one()
+        pm = self._pod_masks.get(pod)
+        if pm is None:
+            self._set_pod_mask(pod, rk, bit)
+        else:
+            pm[rk] = bit
+            self._holders[rk] = self._pod_bits[pod]
+            if bit != _GPU_BIT:
+                self._mixed[pod] += 1
+        stream[ek] = rk
+        if not self._compat:
+            v = self._engine.get(ek)
+            if v is None:
+                self._engine[ek] = [rk, 1]
+            else:
+                v[0] = rk
+                v[1] += 1
+        self._c["stored_blocks"] += 1
+        if self._spec and rk in self._spec:
+            self._confirm_speculative(pod, rk)
+
+    def _confirm_speculative(self, pod: str, rk: int) -> None:
+        holders = self._spec.get(rk)
+        expiry = holders.pop(pod, None) if holders is not None else None
+        if expiry is not None:
+            self._spec_order.discard((expiry, rk, pod))
+            self._c["speculative_confirmed"] += 1
+            if not holders:
+                del self._spec[rk]
+            mine = self._spec_by_pod.get(pod)
+            if mine is not None:
+                mine.discard(rk)
 
     def _store_tokenless(self, pod: str, dp_rank: int, engine_keys: Iterable[int], bit: int) -> int:
         n = 0
