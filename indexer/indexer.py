@@ -264,6 +264,10 @@ class Indexer:
             matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
         )
         choice = self.picker.pick(prefix, loads, candidates) if candidates else None
+        if choice is not None and prefix[choice.pod].matched_blocks:
+            rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
+            if rank is not None:
+                choice = msgspec.structs.replace(choice, dp_rank=rank)
         return Score(
             request_blocks=len(keys),
             block_size=self.token_processor.block_size,

@@ -512,6 +512,27 @@ class KVBlockIndex:
                 out.append(tuple(entries + spec))
         return out
 
+    def best_dp_rank(self, pod: str, request_keys: Sequence[int]) -> int | None:
+        """The DP rank of ``pod`` holding the longest consecutive prefix of ``request_keys``.
+
+        For routing inside a data-parallel pod (vLLM takes the rank in an
+        ``X-data-parallel-rank`` header).  Ties go to the lower rank; None when
+        no rank holds the first block.  Costs one walk over the pod's prefix.
+        """
+        keys = request_keys.tolist() if hasattr(request_keys, "tolist") else list(request_keys)
+        with self._lock:
+            alive: set[int] | None = None
+            best: int | None = None
+            for rk in keys:
+                pods = self._blocks.get(rk)
+                pb = pods.get(pod) if pods is not None else None
+                ranks = set(pb.ranks) if pb is not None else set()
+                alive = ranks if alive is None else alive & ranks
+                if not alive:
+                    break
+                best = min(alive)
+            return best
+
     def request_key_of(self, engine_key: int) -> int | None:
         """Level 2: the request key an engine key maps to (None if unknown)."""
         if self._compat:

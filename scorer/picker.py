@@ -97,9 +97,10 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     Fields:
         pod: the chosen pod id.
         score: its total (see :attr:`PodExplanation.total`).
-        dp_rank: data-parallel rank hint within the pod, or None (the pickers
-            here work per pod and leave it None; an integration that knows
-            per-rank load may fill it).
+        dp_rank: data-parallel rank hint within the pod, or None.  The
+            pickers work per pod and leave it None; ``indexer.Indexer.score``
+            fills in the rank holding the chosen pod's longest prefix
+            (``KVBlockIndex.best_dp_rank``).
         explanation: pod -> :class:`PodExplanation` for every candidate, in
             ranking order (the chosen pod first).
         picker: name of the picker that decided ("weighted", "load", "random").

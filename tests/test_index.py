@@ -199,3 +199,15 @@ def test_block_removed_while_waiting_for_parent_is_not_attached():
     assert [bool(e) for e in ix.lookup(k[:5])] == [True, True, True, False, True]
     assert ix.prefix_match(k) == {"a": [tier_bit(GPU)] * 3}
     assert ix.stats().orphans_attached == 2
+
+
+def test_best_dp_rank_is_the_rank_with_the_longest_prefix():
+    ix = KVBlockIndex(tp())
+    store_path(ix, "p", 0, 2)
+    store_path(ix, "p", 1, 4)
+    k = keys()
+    assert ix.best_dp_rank("p", k) == 1
+    assert ix.best_dp_rank("p", k[:2]) == 0  # a tie goes to the lower rank
+    assert ix.best_dp_rank("q", k) is None
+    ix.block_removed("p", 1, [1000], GPU)  # rank 1 loses block 0: rank 0 has the only prefix
+    assert ix.best_dp_rank("p", k) == 0

@@ -126,3 +126,12 @@ def test_score_predicts_what_the_engine_will_report():
     assert r.predicted_cached_tokens() == 36  # the engine recomputes the last block
     assert r.predicted_cached_tokens("b") == 0
     assert ix.score(TOKENS + [7]).predicted_cached_tokens("a") == 40
+
+
+def test_choice_names_the_dp_rank_holding_the_prefix():
+    ix = indexer()
+    ix.index.block_stored("a", 0, [1, 2], None, TOKENS[:8], "gpu", block_size=BS, model="m")
+    ix.index.block_stored("a", 3, [1, 2, 3], None, TOKENS[:12], "gpu", block_size=BS, model="m")
+    r = ix.score(TOKENS, pods=["a"])
+    assert r.choice.dp_rank == 3 and r.prefix["a"].matched_blocks == 3
+    assert ix.score(TOKENS, pods=["b"]).choice.dp_rank is None
