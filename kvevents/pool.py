@@ -16,9 +16,14 @@ tracked per stream = (pod, DP rank):
   else means the engine restarted (vLLM restarts seq at 0), so the stream's
   blocks are cleared from the index and the stream starts over (replaying
   from 0 what the new process has buffered, when it has a replay endpoint).
+- after the subscriber saw the connection drop and come back: the engine is
+  asked (replay from our last seq) whether it is still the process we knew,
+  before anything else of that stream is applied; without a replay endpoint
+  the stream is cleared (see ``_on_reconnected``).
 
-Overflow policy: each shard queue is bounded (``queue_size`` messages).  When
-it is full the message is dropped, counted in ``dropped_messages``, and its pod
+Overflow policy: at most ``queue_size`` messages wait per shard (control items
+such as flush, stop and disconnect notices are never refused).  Beyond that a
+message is dropped, counted in ``dropped_messages``, and its pod
 is marked for resync: once the shard is idle, every stream of that pod with a
 replay endpoint is replayed from its last applied seq.  (A later message of
 the stream would also reveal the gap.)  Bad input never raises out of a
