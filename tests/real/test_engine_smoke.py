@@ -30,8 +30,8 @@ import msgspec
 import pytest
 import zmq
 
-from tests.real.prompts import text_prompt, token_prompt
 from examples.vllm_fleet.fleet import Engine, VllmFleet
+from tests.real.prompts import text_prompt, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 

@@ -42,7 +42,6 @@ from typing import TypeVar
 import pytest
 import zmq
 
-from tests.real.prompts import text_prompt, token_prompt
 from examples.vllm_fleet.fleet import Engine, VllmFleet
 from indexer import Config, Indexer
 from kvevents.events import BlockStored, Event
@@ -51,6 +50,7 @@ from kvevents.wire import decode_vllm_batch
 from kvindex.index import PodEntry
 from kvindex.keys import TokenProcessor
 from scorer.prefix import predicted_cached_tokens
+from tests.real.prompts import ROUTER_VOCAB, text_prompt, token_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -101,8 +101,8 @@ def chat(engine: Engine, seed: str) -> list[int]:
         {
             "model": engine.model_name,
             "messages": [
-                {"role": "system", "content": text_prompt(f"{seed}-system", 25)},
-                {"role": "user", "content": text_prompt(f"{seed}-user", 25)},
+                {"role": "system", "content": text_prompt(f"{seed}-system", 25, ROUTER_VOCAB)},
+                {"role": "user", "content": text_prompt(f"{seed}-user", 25, ROUTER_VOCAB)},
             ],
             "max_tokens": 1,
             "temperature": 0.0,
@@ -325,7 +325,7 @@ def test_engine_hash_compatible_sha256_cbor(
         e0, e1 = vllm_fleet[0], vllm_fleet[1]
         cases: list[tuple[str, Engine, Callable[[], list[int]]]] = [
             ("cbor-ids", e0, lambda: complete(e0, token_prompt("cbor-ids", 100))),
-            ("cbor-text", e1, lambda: complete(e1, text_prompt("cbor-text", 60))),
+            ("cbor-text", e1, lambda: complete(e1, text_prompt("cbor-text", 60, ROUTER_VOCAB))),
             ("cbor-chat", e0, lambda: chat(e0, "cbor-chat")),
             ("cbor-ids-1", e1, lambda: complete(e1, token_prompt("cbor-ids-1", 96))),
         ]
@@ -416,7 +416,7 @@ def test_restart_drops_old_state_and_sha256_is_compatible(
     try:
         cases: list[tuple[str, Callable[[], list[int]]]] = [
             ("sha-ids", lambda: complete(engine, token_prompt("sha-ids", 100))),
-            ("sha-text", lambda: complete(engine, text_prompt("sha-text", 60))),
+            ("sha-text", lambda: complete(engine, text_prompt("sha-text", 60, ROUTER_VOCAB))),
             ("sha-chat", lambda: chat(engine, "sha-chat")),
         ]
         for name, send in cases:
