@@ -654,6 +654,19 @@ class KVBlockIndex:
                 entry[1] = ek
         pb.mask |= bit
         self._set_pod_mask(pod, rk, pb.mask)
+        self._link(pod, stream, ek, rk)
+
+    def _put_new(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int]) -> None:
+        """:meth:`_put` for a request key nobody holds yet (the common case), with less lookup."""
+        blocks = self._blocks
+        blocks[rk] = {pod: _PodBlock(bit, {dp_rank: [bit, ek]})}
+        if len(blocks) > self.capacity:
+            self._evict_one()
+        self._set_pod_mask(pod, rk, bit)
+        self._link(pod, stream, ek, rk)
+
+    def _link(self, pod: str, stream: dict[int, int], ek: int, rk: int) -> None:
+        """Map engine key ``ek`` to ``rk`` for the stream (and level 2); count the store."""
         if stream.get(ek) != rk:
             stream[ek] = rk
             if not self._compat:
@@ -663,32 +676,6 @@ class KVBlockIndex:
                 else:
                     v[0] = rk
                     v[1] += 1
-        self._c["stored_blocks"] += 1
-        if self._spec and rk in self._spec:
-            self._confirm_speculative(pod, rk)
-
-    def _put_new(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int]) -> None:
-        """:meth:`_put` for a request key nobody holds yet (the common case), with less lookup."""
-        blocks = self._blocks
-        blocks[rk] = {pod: _PodBlock(bit, {dp_rank: [bit, ek]})}
-        if len(blocks) > self.capacity:
-            self._evict_one()
-        pm = self._pod_masks.get(pod)
-        if pm is None:
-            self._set_pod_mask(pod, rk, bit)
-        else:
-            pm[rk] = bit
-            self._holders[rk] = self._pod_bits[pod]
-            if bit != _GPU_BIT:
-                self._mixed[pod] += 1
-        stream[ek] = rk
-        if not self._compat:
-            v = self._engine.get(ek)
-            if v is None:
-                self._engine[ek] = [rk, 1]
-            else:
-                v[0] = rk
-                v[1] += 1
         self._c["stored_blocks"] += 1
         if self._spec and rk in self._spec:
             self._confirm_speculative(pod, rk)
