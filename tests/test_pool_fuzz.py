@@ -147,9 +147,11 @@ def bad_payload(draw: st.DrawFn) -> Bad:
         st.binary(max_size=64)
         | st.builds(msgspec.msgpack.encode, values)
         | batch_like()
-        # deep nesting; the depth where msgspec gives up depends on the calling thread's stack,
-        # so stay clear of the Python recursion limit on both sides
-        | (st.integers(2, 600) | st.integers(1500, 5000)).map(lambda n: b"\x93\x00" + b"\x91" * n + b"\xc0")
+        # nesting well below the recursion limit: where msgspec gives up on deeper payloads
+        # depends on the decoding thread's stack and on the limit hypothesis sets while it runs,
+        # so the error kind would differ between this thread and the worker (test_wire_fuzz
+        # covers the depth kind in one thread)
+        | st.integers(2, 600).map(lambda n: b"\x93\x00" + b"\x91" * n + b"\xc0")
     )
     engine = draw(st.sampled_from(["vllm", "vllm", "sglang"]))
     kind = error_kind(payload, engine)
