@@ -197,8 +197,10 @@ class KVBlockIndex:
         self._engine: dict[str | None, dict[int, list[int]]] = {}
         # reverse: (pod, rank, model) -> engine key -> request key
         self._streams: dict[_Stream, dict[int, int]] = {}
-        # orphans: unknown parent engine key -> waiting stores
-        self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
+        # orphans: (model, unknown parent engine key) -> waiting stores
+        # keyed by (model, parent engine key): engines do not hash the model, so only a parent
+        # stored under the same model may release a waiting store
+        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
         self._orphan_blocks = 0
         self._models: set[str | None] = set()  # models named by stored events (key scopes)
         # (pod, rank, model, engine key) -> the waiting stores holding that block
@@ -657,7 +659,7 @@ class KVBlockIndex:
                 if ek not in it.removed:
                     self._put(it.pod, it.dp_rank, ek, rk, it.tier, it.model, stream)
                     attached += 1
-                waiting = self._orphans.pop(ek, None) if self._orphans else None
+                waiting = self._orphans.pop((it.model, ek), None) if self._orphans else None
                 if waiting:
                     for w in waiting:
                         self._forget_orphan(w)
@@ -874,7 +876,7 @@ class KVBlockIndex:
 
     def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
         n = len(item.engine_keys)
-        self._orphans.setdefault(parent_ek, []).append(item)
+        self._orphans.setdefault((item.model, parent_ek), []).append(item)
         self._orphan_blocks += n
         for ek in item.engine_keys:
             key = (item.pod, item.dp_rank, item.model, ek)

@@ -306,6 +306,18 @@ def test_level_two_is_scoped_by_model() -> None:
     assert ix.pod_keys("r") == {int(TP.request_keys(list(PATHS.tokens(0, 0, 2)), model="a")[1])}
 
 
+def test_an_orphan_waits_for_its_parent_under_its_own_model() -> None:
+    """Found by the engine-model test: model a's parent released model b's waiting child with a's keys."""
+    ix = KVBlockIndex(TP)
+    ek0, ek1 = PATHS.ek(1, 0), PATHS.ek(1, 1)
+    assert ix.block_stored("p", 0, [ek1], ek0, PATHS.tokens(1, 1, 2), "gpu", model="b") == 0
+    ix.block_stored("q", 0, [ek0], None, PATHS.tokens(1, 0, 1), "gpu", model="a")
+    assert ix.stats().orphan_blocks == 1 and ix.pod_keys("p") == set()
+    ix.block_stored("p", 0, [ek0], None, PATHS.tokens(1, 0, 1), "gpu", model="b")
+    rks_b = TP.request_keys(list(PATHS.tokens(1, 0, 2)), model="b")
+    assert ix.pod_keys("p") == set(rks_b.tolist()) and ix.stats().orphan_blocks == 0
+
+
 # ---------------------------------------------------------------- pod churn
 
 
