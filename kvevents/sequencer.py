@@ -387,6 +387,9 @@ class Sequencer:
         pending, self._pending = self._pending, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
+            if self._candidate is not None and self._r_count > 0:
+                self._candidate = None  # the engine's buffer is the authority now
+                out.append(Count("unconfirmed"))
         else:
             out.append(Count("replay_failures"))
             if op in ("gap", "fresh"):
