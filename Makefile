@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm vllm-env bench clean
+.PHONY: test test-fast demo demo-vllm vllm-env bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+
+# The write path at volume with random faults (a few hundred thousand messages, seeded).
+soak: $(STAMP)
+	$(PY) bench/soak_writepath.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

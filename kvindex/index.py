@@ -330,19 +330,15 @@ class KVBlockIndex:
             stream = self._streams.get((pod, dp_rank, model))
             for ek in engine_keys:
                 rk = stream.get(ek) if stream is not None else None
-                if rk is None:
-                    waiting = self._orphan_by_ek.get((pod, dp_rank, model, ek)) if self._orphan_by_ek else None
-                    hit = False
-                    for w in waiting or ():
-                        if w.tier & bit and ek not in w.removed:
-                            w.removed.add(ek)  # never attach a block the engine dropped meanwhile
-                            hit = True
-                    if hit:
-                        removed += 1
-                    else:
-                        self._c["unknown_removals"] += 1
-                    continue
-                if self._drop_copy(pod, dp_rank, ek, rk, bit):
+                hit = rk is not None and self._drop_copy(pod, dp_rank, ek, rk, bit)
+                # the same block may also wait in a store whose parent is unknown (e.g. its cpu copy
+                # was attached through another pod's key while its gpu store waits): drop it there too
+                waiting = self._orphan_by_ek.get((pod, dp_rank, model, ek)) if self._orphan_by_ek else None
+                for w in waiting or ():
+                    if w.tier & bit and ek not in w.removed:
+                        w.removed.add(ek)  # never attach a block the engine dropped meanwhile
+                        hit = True
+                if hit:
                     removed += 1
                 else:
                     self._c["unknown_removals"] += 1

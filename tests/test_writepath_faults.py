@@ -306,6 +306,20 @@ def test_level_two_is_scoped_by_model() -> None:
     assert ix.pod_keys("r") == {int(TP.request_keys(list(PATHS.tokens(0, 0, 2)), model="a")[1])}
 
 
+def test_a_removal_reaches_a_waiting_store_whose_other_tier_is_attached() -> None:
+    """Found by the engine-model test: gpu store waiting for its parent, cpu copy attached via another pod's key."""
+    ix = KVBlockIndex(TP)
+    ek0, ek1 = PATHS.ek(2, 0), PATHS.ek(2, 1)
+    ix.block_stored("q", 0, [ek0, ek1], None, PATHS.tokens(2, 0, 2), "gpu", model="m")
+    ix.block_removed("q", 0, [ek0], "gpu", model="m")  # q keeps ek1 only: ek0 is unknown now
+    assert ix.block_stored("p", 0, [ek1], ek0, PATHS.tokens(2, 1, 2), "gpu", model="m") == 0  # waits
+    assert ix.block_stored("p", 0, [ek1], None, (), "cpu", model="m") == 1  # offload: known through q
+    assert ix.block_removed("p", 0, [ek1], "gpu", model="m") == 1
+    ix.block_stored("p", 0, [ek0], None, PATHS.tokens(2, 0, 1), "gpu", model="m")  # the parent arrives
+    rk1 = int(TP.request_keys(list(PATHS.tokens(2, 0, 2)), model="m")[1])
+    assert {(x.pod, x.tier) for x in ix.lookup([rk1])[0]} == {("p", "cpu"), ("q", "gpu")}
+
+
 def test_an_orphan_waits_for_its_parent_under_its_own_model() -> None:
     """Found by the engine-model test: model a's parent released model b's waiting child with a's keys."""
     ix = KVBlockIndex(TP)
