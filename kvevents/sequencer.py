@@ -302,6 +302,10 @@ class Sequencer:
     def _fresh(self, b: Batch) -> list[Action]:
         """First message of a stream we hold nothing of (new, or cleared)."""
         out: list[Action] = []
+        if self.has_replay:
+            # even a seq 0 is checked against the engine's buffer: one message cannot start a stream
+            self._pending = b
+            return self._start_replay(out, "fresh", 0)
         if b.seq == 0:
             self.exact = True
             self.lost = False
@@ -401,6 +405,8 @@ class Sequencer:
                 # came before this message is unknown
                 self.exact = pending.seq == 0
                 self._apply(out, pending)
+                if self.exact:
+                    self.lost = False
             elif pending.seq <= self.last:
                 if self._replayed.get(pending.seq) == pending.ts:
                     out.append(Count("duplicates"))
