@@ -815,14 +815,20 @@ class Router:
 
 
 class RunningRouter:
-    """Serve a :class:`Router` in the current event loop (tests, demos).
+    """Serve a :class:`Router` (a :class:`examples.router.pd.PDRouter` when the
+    config names prefill and decode pods) in the current event loop (tests, demos).
 
     ``async with RunningRouter(config) as rr: rr.url`` -> ``http://host:port``;
     port 0 in the config picks a free port.
     """
 
     def __init__(self, config: RouterConfig) -> None:
-        self.router = Router(config)
+        if config.prefill or config.decode:
+            from examples.router.pd import PDRouter  # P/D mode
+
+            self.router: Router = PDRouter(config)
+        else:
+            self.router = Router(config)
         self._runner: web.AppRunner | None = None
         self.url = ""
 
