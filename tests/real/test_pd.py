@@ -184,10 +184,14 @@ def test_a_turn2_pulls_and_prediction_matches_engine(outcome: dict[str, Any]) ->
     assert r["pd"].prefill_cached_tokens == r["retained"]
     # and the output matches one engine recomputing everything
     assert r["diff"] <= TOLERANCE, (t2.top_logprobs, r["ref"])
+    print(f"[P/D pull] pulled {t2.p_external} (predicted {plan.pulled_tokens}), local {t2.p_local_hit}, "
+          f"logprob diff vs recompute {r['diff']:.4f}, TTFT {r['pd'].ttft_ms:.0f} ms")
 
 
 @pytest.mark.parametrize("edit", ["strip", "change"])
-def test_b_guard_keeps_answers_right_when_history_is_edited(outcome: dict[str, Any], edit: str) -> None:
+def test_b_guard_keeps_answers_right_when_history_is_edited(
+    outcome: dict[str, Any], edit: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     on, off = outcome[f"{edit}-guard"], outcome[f"{edit}-noguard"]
     common = on["common"]
     assert common < on["retained"]
@@ -201,7 +205,12 @@ def test_b_guard_keeps_answers_right_when_history_is_edited(outcome: dict[str, A
     reused_off = off["t2"].p_external + off["t2"].p_local_hit
     assert off["plan"].action == "pull"
     assert reused_off > off["common"], (reused_off, off["common"])
-    print(f"{edit}: guarded logprob diff {on['diff']:.4f}, unguarded {off['diff']:.4f} (tolerance {TOLERANCE})")
+    with capsys.disabled():
+        print(
+            f"\n[P/D guard, {edit}] common prefix {common}/{on['retained']} tokens; guarded: P reused {reused}, "
+            f"logprob diff {on['diff']:.4f}; unguarded: P reused {reused_off}, logprob diff {off['diff']:.4f} "
+            f"(tolerance {TOLERANCE})"
+        )
 
 
 def test_c_expired_and_gone_decode_fall_back(outcome: dict[str, Any]) -> None:
