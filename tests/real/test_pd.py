@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 BLOCK = 32
 D_TTL = 40  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left)
 TOLERANCE = 0.02  # logprob: bf16 pull vs recompute differed by <= 0.004 here (FACTS)
+FIRST_ANSWER = 70  # tokens generated in turn 1: 300 % 32 + 70 - 1 = 81 >= the engines' threshold of 64 to pull
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,9 @@ def max_diff(a: dict[str, float], b: dict[str, float]) -> float:
 async def two_turns(
     session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0
 ) -> tuple[Turn, Turn, list[int], list[int]]:
-    """Turn 1 (300 tokens, 100 generated), then turn 2 = edited history + 40 new tokens."""
+    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens."""
     prompt1 = ids(cid, 300)
-    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=100)
+    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
     assert t1.status == 200, t1.answer
     history = prompt1 + t1.output_ids
     retained = history[:-1]
@@ -145,7 +146,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                     # (c2) the D holding the entry has gone away: its side channel no longer answers
                     cid = "gone"
                     prompt1 = ids(cid, 300)
-                    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=100)
+                    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
                     store = rr.router.planner.store
                     entry = store.get(cid)
                     assert entry is not None
