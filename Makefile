@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl clean
+.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+
+# The write path at volume with random faults (a few hundred thousand messages, seeded).
+soak: $(STAMP)
+	$(PY) bench/soak_writepath.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis
