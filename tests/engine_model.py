@@ -96,6 +96,9 @@ class ModelEngine:
         self.bad_event_batches = 0  # batches with a malformed event since the last restart / clear
         self.clear_p = 0.03  # share of random operations that are a prefix-cache reset (AllBlocksCleared)
 
+    def __repr__(self) -> str:
+        return f"ModelEngine({self.pod!r}, {self.model!r}, {self.dp_rank})"
+
     # -- state
 
     def view(self) -> set[tuple[int, str]]:

@@ -319,9 +319,9 @@ COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomiz
 
 def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
     machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=120, stateful_step_count=40, **COMMON))
+    run_state_machine_as_test(machine, settings=settings(max_examples=250, stateful_step_count=40, **COMMON))
 
 
 def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:
     machine = type("Machine", (ZmqEngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=25, **COMMON))
+    run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=25, **COMMON))
