@@ -48,10 +48,18 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   is a previous process's message still queued after the stream moved on to
   its successor.
 - A forward jump is accepted only when the engine's buffer knows the seq: a
-  gap replay that ended normally without reaching the message's seq means no
-  process published it (it is dropped, counted ``unconfirmed``), unless the
-  replay returned nothing at all (an engine without a buffer), in which case
-  the next message must continue it, as above.
+  gap replay (asked from our last seq) that ended normally without reaching
+  the message's seq means no process published it (it is dropped, counted
+  ``unconfirmed``).  A replay answering nothing at all from our last seq
+  means the engine no longer has our last batch nor anything after it: a new
+  process whose seqs are below ours (a restart: cleared and rebuilt from its
+  seq 0).  A first message the engine's (empty) buffer does not hold is
+  dropped: vLLM buffers each batch as it publishes it.  When the replay
+  endpoint does not answer, the message waits for the stream's next message
+  to continue it, as without an endpoint.
+- A message inside a range a replay skipped is stale only when its engine
+  time is not newer than the last applied batch's; a newer one may be a new
+  process starting over, and is checked like a backward seq.
 - A stream's first message (new, or after a clear) is checked against the
   replay buffer too, even at seq 0: the stream is built from the engine's
   buffer from seq 0 and the message applies only if the buffer confirms it.
