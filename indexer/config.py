@@ -28,6 +28,7 @@ Unknown keys are rejected (a typo should not silently fall back to a default).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +139,26 @@ class ScorerWeights(_Base, frozen=True):
 
 
 class ScorerConfig(_Base, frozen=True):
-    """Read path: tier weights, picker weights, speculative entries.
+    """Read path: tier weights, picker, speculative entries.
 
+    picker: ``weighted`` (scorer.picker.WeightedPicker, with ``weights``) or
+    ``ttft`` (scorer.picker.TTFTPicker: the pod with the lowest estimated
+    time to first token, with ``kv_pressure``).
     speculative_ttl: seconds a routed request's blocks count as present on the
     chosen pod before its events confirm them (0 disables).
     """
 
     tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    picker: str = "weighted"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
+    kv_pressure: float = 1.0
     speculative_ttl: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.picker not in ("weighted", "ttft"):
+            raise ValueError(f"picker must be 'weighted' or 'ttft', got {self.picker!r}")
+        if not (math.isfinite(self.kv_pressure) and self.kv_pressure >= 0):
+            raise ValueError(f"kv_pressure must be finite and >= 0, got {self.kv_pressure}")
         if not 0 <= self.speculative_ttl < 86_400:
             raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
         TierWeights(self.tier_weights)  # raises for negative or non-finite weights
