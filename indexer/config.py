@@ -152,13 +152,16 @@ class ScorerConfig(_Base, frozen=True):
     picker: str = "weighted"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
     kv_pressure: float = 1.0
+    admission: float = 1.0
     speculative_ttl: float = 0.0
 
     def __post_init__(self) -> None:
         if self.picker not in ("weighted", "ttft"):
             raise ValueError(f"picker must be 'weighted' or 'ttft', got {self.picker!r}")
-        if not (math.isfinite(self.kv_pressure) and self.kv_pressure >= 0):
-            raise ValueError(f"kv_pressure must be finite and >= 0, got {self.kv_pressure}")
+        for name in ("kv_pressure", "admission"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {v}")
         if not 0 <= self.speculative_ttl < 86_400:
             raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
         TierWeights(self.tier_weights)  # raises for negative or non-finite weights

@@ -53,18 +53,17 @@ SEED002_37 = Workload(name="seed002-37", pods=4, capacity_tokens=461_376, custom
 
 
 def quick(w: Workload) -> Workload:
-    """A scaled-down copy for tests (seconds to simulate): a quarter of the
-    tokens and of the users, same resident fraction, shorter stages."""
+    """A scaled-down copy for tests (seconds to simulate): every token count a
+    quarter (same resident fraction), the same users, a shorter load ramp."""
     return msgspec.structs.replace(
         w,
         name=w.name + "-quick",
         capacity_tokens=w.capacity_tokens // 4,
-        customers=max(2, w.customers // 4),
         shared_tokens=w.shared_tokens // 4,
         question_tokens=w.question_tokens // 4,
         output_tokens=w.output_tokens // 4,
-        qps_stages=tuple(q * 2 for q in w.qps_stages[::2]),
-        stage_seconds=6.0,
+        qps_stages=tuple(q * 4 for q in w.qps_stages[::3]),
+        stage_seconds=4.0,
     )
 
 
