@@ -450,12 +450,11 @@ class TTFTPicker:
 
     name = "ttft"
 
-    def __init__(self, *, kv_pressure: float = 1.0, admission: float = 1.0, tie_tokens: float = 0.0) -> None:
-        for n, v in (("kv_pressure", kv_pressure), ("admission", admission), ("tie_tokens", tie_tokens)):
+    def __init__(self, *, kv_pressure: float = 10.0, tie_tokens: float = 0.0) -> None:
+        for n, v in (("kv_pressure", kv_pressure), ("tie_tokens", tie_tokens)):
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{n} must be finite and >= 0, got {v}")
         self.kv_pressure = float(kv_pressure)
-        self.admission = float(admission)
         self.tie_tokens = float(tie_tokens)
         self.weights = None
 
@@ -491,7 +490,6 @@ class TTFTPicker:
                 if ld is not None and ld.prefill_tokens is not None
                 else r.waiting * n_prompt
             )
-            q += self.admission * r.waiting * n_prompt * r.kv_cache_usage
             uncached[r.pod] = int(round(un))
             queued[r.pod] = q
             costs[r.pod] = q + un * (1.0 + self.kv_pressure * r.kv_cache_usage)

@@ -205,10 +205,10 @@ def test_explain_table_and_roundtrip():
     assert msgspec.json.decode(msgspec.json.encode(c), type=Choice) == c
 
 
-# -- TTFTPicker: cost = queued + admission x waiting x prompt x usage + uncached x (1 + kv_pressure x usage)
+# -- TTFTPicker: cost = queued + uncached x (1 + kv_pressure x usage)
 
 
-def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure, admission):
+def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure):
     """Plain recomputation of every cost and the winner (lowest cost, then shorter queue, then pod id)."""
     pods = list(dict.fromkeys(candidates))
     cost = {}
@@ -220,7 +220,6 @@ def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure, admission):
         ld = loads.get(p, LoadSnapshot())
         use = min(1.0, max(0.0, ld.kv_usage))
         queued = ld.prefill_tokens if ld.prefill_tokens is not None else ld.waiting * prompt
-        queued += admission * ld.waiting * prompt * use
         cost[p] = queued + max(0.0, prompt - cached) * (1 + kv_pressure * use)
     best = min(pods, key=lambda p: (cost[p], loads.get(p, LoadSnapshot()).waiting + loads.get(p, LoadSnapshot()).in_flight, p))
     return best, cost
@@ -241,22 +240,22 @@ def ttft_cases(draw):
                         prefill_tokens=draw(st.none() | st.floats(0.0, 50_000.0, allow_subnormal=False)))
         for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True))
     }
-    return prefix, loads, candidates, prompt, draw(st.sampled_from([0.0, 1.0, 10.0])), draw(st.sampled_from([0.0, 1.0]))
+    return prefix, loads, candidates, prompt, draw(st.sampled_from([0.0, 1.0, 10.0]))
 
 
 @settings(max_examples=200, deadline=None)
 @given(ttft_cases())
 def test_ttft_picker_matches_oracle(case):
-    prefix, loads, candidates, prompt, kvp, adm = case
-    c = TTFTPicker(kv_pressure=kvp, admission=adm).pick(prefix, loads, candidates, prompt_tokens=prompt)
-    best, cost = oracle_ttft(prefix, loads, candidates, prompt, kvp, adm)
+    prefix, loads, candidates, prompt, kvp = case
+    c = TTFTPicker(kv_pressure=kvp).pick(prefix, loads, candidates, prompt_tokens=prompt)
+    best, cost = oracle_ttft(prefix, loads, candidates, prompt, kvp)
     assert c.pod == best
     assert c.score == pytest.approx(-cost[best])
     assert set(c.explanation) == set(candidates) and next(iter(c.explanation)) == best
     for p, e in c.explanation.items():
         assert e.cost == pytest.approx(cost[p]) and e.total == pytest.approx(-cost[p])
         assert 0 <= e.uncached_tokens <= prompt
-    assert TTFTPicker(kv_pressure=kvp, admission=adm).pick(
+    assert TTFTPicker(kv_pressure=kvp).pick(
         prefix, loads, list(reversed(candidates)), prompt_tokens=prompt).pod == c.pod
 
 
@@ -264,7 +263,7 @@ def test_ttft_picker_worked_example_and_explain():
     # 2,000-token prompt; a holds 1,600 cached tokens but has 3,000 tokens of prefill queued.
     prefix = {"a": PrefixScore(pod="a", matched_blocks=100, matched_tokens=1600, weighted_blocks=100.0, coverage=0.8)}
     loads = {"a": LoadSnapshot(prefill_tokens=3000.0, kv_usage=0.5), "b": LoadSnapshot(prefill_tokens=0.0, kv_usage=0.0)}
-    p = TTFTPicker(kv_pressure=1.0, admission=1.0)
+    p = TTFTPicker(kv_pressure=1.0)
     c = p.pick(prefix, loads, ["a", "b"], prompt_tokens=2000)
     # a: 3000 + 400 x 1.5 = 3600 ; b: 0 + 2000 x 1 = 2000
     assert c.pod == "b" and c.score == -2000.0

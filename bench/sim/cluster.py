@@ -133,7 +133,7 @@ class _Transport:
     def settle(self) -> None:
         if not self.dirty:
             return
-        ok = self.ix.wait_for(self.sent, 60.0) if self.kind == "zmq" else self.ix.flush(60.0)
+        ok = self.ix.wait_for(self.sent, 600.0) if self.kind == "zmq" else self.ix.flush(600.0)
         if not ok:
             raise RuntimeError("the write path did not apply the events in time")
         self.dirty = False

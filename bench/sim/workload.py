@@ -34,7 +34,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     question_tokens: int
     output_tokens: int
     qps_stages: tuple[float, ...] = (3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0)
-    stage_seconds: float = 20.0
+    stage_seconds: float = 10.0
     vocab: int = 150_000
 
     @property
