@@ -194,8 +194,10 @@ class DynamoScheduler(Scheduler):
 
 
 class IndexerScheduler(Scheduler):
-    """The library's own choice: ``Indexer.route`` with the Indexer's picker (and
-    its speculative entries when ``speculative_ttl`` > 0).
+    """The library's own choice: ``Indexer.score`` with the Indexer's picker,
+    pods tied on the picker's total taking turns (as the reference router),
+    then what ``Indexer.route`` does for the chosen pod (in-flight count, and
+    speculative entries when ``speculative_ttl`` > 0).
 
     ``picker``: None = the library's default configuration; else the
     ``scorer_config.picker`` the cluster configures the Indexer with.
@@ -206,14 +208,26 @@ class IndexerScheduler(Scheduler):
 
     def __init__(self, seed: int, picker: str | None = None, name: str | None = None) -> None:
         super().__init__(seed)
+        self._turn = 0
         self.config_picker = picker
         if name:
             self.name = name
 
     def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
-        result = view.ix.route(req.prompt, view.pods, loads=view.loads)
+        ix = view.ix
+        result = ix.score(req.prompt, view.pods, loads=view.loads)
+        assert result.pod is not None and result.choice is not None
         pod = result.pod
-        assert pod is not None
+        # as the reference router (examples/router): pods with the same total take turns
+        best = result.choice.score
+        tied = sorted(p for p, e in result.choice.explanation.items() if abs(e.total - best) <= 1e-9)
+        if len(tied) > 1:
+            pod = tied[self._turn % len(tied)]
+            self._turn += 1
+        # then what Indexer.route does for the chosen pod
+        ix.request_started(pod)
+        if ix.speculative_ttl > 0 and result.request_blocks:
+            ix.index.add_speculative(ix.request_keys(req.prompt), pod, ix.speculative_ttl)
         return pod, len(req.prompt) - result.predicted_cached_tokens(pod)
 
 

@@ -48,5 +48,5 @@ def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytes
         assert r.query_tokens == n * (shape.shared_tokens + shape.question_tokens), r  # every prompt counted once
     blind = max(results["round_robin"].hit_rate, results["load"].hit_rate)
     for kv_aware in ("precise", "kvindex"):
-        assert results[kv_aware].hit_rate > blind + 0.1, table(list(results.values()))
-    assert results["kvindex"].hit_rate >= results["precise"].hit_rate - 0.02, table(list(results.values()))
+        assert results[kv_aware].hit_rate > blind + 0.05, table(list(results.values()))
+    assert results["kvindex"].hit_rate >= results["precise"].hit_rate - 0.05, table(list(results.values()))
