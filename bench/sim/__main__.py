@@ -44,7 +44,7 @@ def table(results: list[RunResult]) -> str:
     ]
     for r in results:
         top = r.stages[-1].ttft_p90
-        rp = f"{top / ref.stages[-1].ttft_p90:.2f}" if ref and ref.stages[-1].ttft_p90 > 0 else "-"
+        rp = f"{top / ref.stages[-1].ttft_p90:.3f}" if ref and ref.stages[-1].ttft_p90 > 0 else "-"
         rt = f"{r.output_tok_s / ref.output_tok_s:.2f}" if ref and ref.output_tok_s > 0 else "-"
         lines.append(
             f"| {r.scheduler} | {r.output_tok_s:,.0f} | {r.ttft_p90:.3f} | {r.ttft_mean:.3f} | {top:.3f} | "
