@@ -11,7 +11,8 @@ round-robin, load-only, approximate, llm-d-precise-equivalent and ours (the
 policies of :mod:`bench.sim.schedulers`, here fed by the engines' real KV
 events over ZMQ and their real ``/metrics``), with both prefix caches emptied
 (``POST /reset_prefix_cache``) between policies.  Requests are sent one at a
-time (``max_tokens`` 1, so the latency is the TTFT).  Reported per policy: the
+time (``max_tokens`` 1, so the latency is the TTFT); engine metrics are
+scraped at most once a second, as the reference router does.  Reported per policy: the
 engines' own ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total``
 increase, and the mean TTFT (2 shared CPU cores: indicative only).
 """
@@ -105,12 +106,15 @@ def run_policy(fleet: VllmFleet, ix: Indexer, policy: str, seq: list[list[int]])
     before = _metrics(fleet)
     ttfts = []
     counts = dict.fromkeys(pods, 0)
+    scraped = -1e9
     for i, prompt in enumerate(seq):
         ix.flush(5.0)
-        view.loads = {
-            p: msgspec.structs.replace(parse_vllm_metrics(by_pod[p].get_text("/metrics")), prefill_tokens=0.0)
-            for p in pods
-        }
+        if time.monotonic() - scraped >= 1.0:  # engine metrics refreshed every second, as the reference router
+            scraped = time.monotonic()
+            view.loads = {
+                p: msgspec.structs.replace(parse_vllm_metrics(by_pod[p].get_text("/metrics")), prefill_tokens=0.0)
+                for p in pods
+            }
         req = SimRequest(i, 0.0, np.array(prompt, dtype=np.int32), [], np.zeros(1, dtype=np.int32))
         if sched is None:
             pod = pods[i % len(pods)]
@@ -124,8 +128,8 @@ def run_policy(fleet: VllmFleet, ix: Indexer, policy: str, seq: list[list[int]])
         ttfts.append(time.perf_counter() - t0)
         if sched is not None and sched.name == "kvindex":
             ix.request_finished(pod)
-        # the engine's events for this request, before the next decision (as a live router would see them)
-        time.sleep(0.05)
+        # the engine's events for this request reach the index before the next decision
+        time.sleep(0.02)
     time.sleep(1.0)  # metrics settle
     after = _metrics(fleet)
     hits = sum(after[p][0] - before[p][0] for p in pods)

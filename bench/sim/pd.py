@@ -15,8 +15,9 @@ from the previous turn, n = L - R new tokens):
   per pod (the seed's reported 30-130 ms for 2k-24k tokens implies 48-58 GB/s).
 * off (standard P->D, prefix caching off on P): TTFT = c0 + prefill(L | 0) +
   xfer(L) (D pulls the whole prompt's KV from P).
-* on (bidirectional): P pulls D's retained R tokens when R - (tokens P has
-  locally) >= kv_recompute_threshold (64), computes n, and D (which holds R in
+* on (bidirectional): P pulls D's retained R tokens when the connector's
+  pull count (:func:`connector.planner.predicted_pull_tokens`: min(R, L) -
+  tokens P has locally) >= kv_recompute_threshold (64), computes n, and D (which holds R in
   its prefix cache) pulls only the n new tokens: TTFT = c0 + xfer(R) +
   prefill(n | R) + xfer(n); below the threshold P recomputes.
 * ours (several P pods with prefix caching on; the index routes each turn to
@@ -36,6 +37,8 @@ tool message; the first turn (2k) has nothing retained.
 from __future__ import annotations
 
 import msgspec
+
+from connector.planner import predicted_pull_tokens
 
 __all__ = ["PDModel", "PDResult", "calibrate", "sweep", "table", "plot", "PUBLISHED_OFF", "PUBLISHED_ON"]
 
@@ -67,8 +70,11 @@ class PDModel(msgspec.Struct, frozen=True, kw_only=True):
         return self.c0 + self.prefill(L) + self.xfer(L)
 
     def on(self, L: int, retained: int, local: int = 0) -> float:
-        R = min(retained, L - 1)
-        if R - local >= self.threshold:
+        """P pulls from D when the connector's rule says so (connector.planner.predicted_pull_tokens
+        >= threshold, as vLLM 0.32's NixlConnector), else recomputes past its local prefix."""
+        pull = predicted_pull_tokens(retained, L, local)
+        if pull >= self.threshold:
+            R = min(local + pull, L - 1)  # the last prompt token is always computed
             return self.c0 + self.xfer(R - local) + self.prefill(L - R, R) + self.xfer(L - R)
         return self.c0 + self.prefill(L - local, local) + self.xfer(L - local)
 
