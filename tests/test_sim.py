@@ -52,7 +52,7 @@ def _drive(pod: SimPod, reqs: list[SimRequest]) -> tuple[float, list]:
     return now, events
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     blocks=st.integers(12, 60),
     lens=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 70), st.integers(0, 3)), min_size=1, max_size=12),

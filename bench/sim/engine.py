@@ -429,7 +429,7 @@ class SimPod:
                 r.blocks.extend(self.pool.alloc(1, self._evicted))
                 break
             victim = next(reversed(self.running.values()))
-            self._preempt(victim)
+            self._preempt(victim, now, done)
             if victim is r:
                 return
         to_boundary = len(r.blocks) * bs - r.c0
@@ -437,9 +437,7 @@ class SimPod:
         r.version += 1
         heapq.heappush(self.heap, (r.k0 + min(to_boundary, to_finish) - 1, r.rid, r.version, r))
 
-    def _preempt(self, r: SimRequest) -> None:
-        self.preemptions += 1
-        r.preemptions += 1
+    def _preempt(self, r: SimRequest, now: float, done: list[SimRequest]) -> None:
         if r in self.prefilling:
             self.prefilling.remove(r)
         else:
@@ -450,6 +448,11 @@ class SimPod:
             r.num_computed = r.c0 + steps
             r.generated = r.g0 + steps
             r.version += 1
+            if r.generated >= r.out_len:  # it finished in this very step: nothing to preempt
+                self._finish(r, now, done)
+                return
+        self.preemptions += 1
+        r.preemptions += 1
         del self.running[r.rid]
         self.pool.release(r.blocks)
         r.blocks = []
