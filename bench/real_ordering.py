@@ -89,11 +89,15 @@ def _metrics(fleet: VllmFleet) -> dict[str, tuple[float, float]]:
 
 
 def _reset(fleet: VllmFleet, ix: Indexer) -> None:
+    """Empty both prefix caches and wait until their AllBlocksCleared events are applied."""
+    ix.flush(5.0)
+    before = ix.stats().events.clears
     for e in fleet.engines:
         e.post_json("/reset_prefix_cache")
     deadline = time.monotonic() + 30
-    while ix.index.pods() and time.monotonic() < deadline:  # the AllBlocksCleared events reach the index
+    while ix.stats().events.clears < before + len(fleet.engines) and time.monotonic() < deadline:
         time.sleep(0.05)
+    ix.flush(5.0)
 
 
 def run_policy(fleet: VllmFleet, ix: Indexer, policy: str, seq: list[list[int]]) -> PolicyResult:
