@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl sim sim-quick bench-real soak clean
+.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,7 @@ demo-pd: $(STAMP)
 # NIXL READ across two processes vs blocks and block size; the advisor's thresholds.
 bench-nixl: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
-	$(PY) bench/bench_nixl.py
+	flock /tmp/kvindex-engines.lock $(PY) bench/bench_nixl.py
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
