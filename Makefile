@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast demo demo-vllm vllm-env bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
