@@ -28,7 +28,8 @@ import numpy as np
 from indexer.config import Config
 from kvevents.pool import EventPool, PoolStats
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import IndexStats, KVBlockIndex
+from kvindex.index import IndexStats
+from kvindex.protocol import KVIndex, make_index
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TierWeights
 from scorer.load import LoadSnapshot
@@ -87,13 +88,14 @@ class Indexer:
     Args:
         config: the configuration (defaults: block size 16, xxh3_chain keys,
             no engines).
-        index: use this index instead of building one from the config.
+        index: use this index (any :class:`kvindex.protocol.KVIndex`) instead of
+            building the one ``kv_block_index_config.backend`` names.
 
     The write path runs only between :meth:`start` and :meth:`stop`; the read
     path (:meth:`score`) works at any time on whatever the index holds.
     """
 
-    def __init__(self, config: Config | None = None, *, index: KVBlockIndex | None = None) -> None:
+    def __init__(self, config: Config | None = None, *, index: KVIndex | None = None) -> None:
         self.config = cfg = config or Config()
         tpc = cfg.token_processor_config
         self.token_processor = (
@@ -108,8 +110,11 @@ class Indexer:
             )
         )
         mem = cfg.kv_block_index_config.in_memory_config
-        self.index = index or KVBlockIndex(
-            self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks
+        self.index: KVIndex = index if index is not None else make_index(
+            cfg.kv_block_index_config.backend,
+            self.token_processor,
+            capacity=mem.size,
+            max_orphan_blocks=mem.max_orphan_blocks,
         )
         ev = cfg.kv_events_config
         self.pool = EventPool(

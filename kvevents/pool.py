@@ -47,7 +47,7 @@ from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBa
 from kvevents.replay import ReplayClient
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
-from kvindex.index import KVBlockIndex
+from kvindex.protocol import KVIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "EventPool", "RateLimitedLog"]
 
@@ -509,7 +509,7 @@ class _Shard:
 
 
 class EventPool:
-    """N shard workers applying KV-event messages to a :class:`KVBlockIndex`.
+    """N shard workers applying KV-event messages to a :class:`~kvindex.protocol.KVIndex`.
 
     Args:
         index: the index to write.
@@ -526,7 +526,7 @@ class EventPool:
 
     def __init__(
         self,
-        index: KVBlockIndex,
+        index: KVIndex,
         *,
         concurrency: int = 4,
         queue_size: int = 10_000,
