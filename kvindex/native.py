@@ -45,7 +45,7 @@ from sortedcontainers import SortedList
 
 from kvindex import _native
 from kvindex.index import IndexStats, PodEntry, _Orphan
-from kvindex.keys import TokenProcessor, extra_keys_from_event
+from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event
 from kvindex.tiers import GPU, tier_bit, tier_names
 
 __all__ = ["NativeKVBlockIndex"]
@@ -135,7 +135,10 @@ class NativeKVBlockIndex:
         rank = _rank(dp_rank)
         with self._lock:
             if token_ids is None or len(token_ids) == 0:
-                return self._core.store_tokenless(pod, rank, engine_keys, bit)
+                done = self._core.store_tokenless(pod, rank, engine_keys, bit)
+                if self._spec:
+                    self._confirm_many(pod, done)
+                return len(done)
             if block_size is not None and block_size != self.block_size:
                 raise ValueError(f"event block_size {block_size} != index block_size {self.block_size}")
             if len(token_ids) != self.block_size * len(engine_keys):
@@ -275,24 +278,59 @@ class NativeKVBlockIndex:
 
     def prefix_summary(
         self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None, weights: Sequence[float]
-    ) -> dict[str, tuple[int, float]]:
-        """Per pod with a match: (matched blocks, sum of block weights over the match).
+    ) -> dict[str, tuple[int, float, int]]:
+        """Per pod with a match: (matched blocks, weighted blocks, OR of the tier masks).
 
         ``weights[b]`` is the weight of tier bit ``b`` (:data:`kvindex.tiers.TIERS`
-        order); a block counts its best tier.  Same match and recency refresh
+        order); a block weighs its best tier.  Same match and recency refresh
         as :meth:`prefix_match`, without a list per block.
         """
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
         if self._spec_by_pod:
-            w = list(weights)
-            out = {}
-            for pod, masks in self.prefix_match(keys, pods).items():
-                out[pod] = (len(masks), sum(_mask_weight(m, w) for m in masks))
-            return out
+            return _summarise(self.prefix_match(keys, pods), list(weights))
         rows, _longest = self._core.prefix_summary(keys, None if pods is None else list(pods), list(weights), True)
-        return {pod: (n, w) for pod, n, w in rows}
+        return {pod: (n, w, u) for pod, n, w, u in rows}
+
+    def match_tokens(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pods: Collection[str] | None,
+        weights: Sequence[float],
+        *,
+        model: str | None = None,
+        lora: str | tuple[str, str] | None = None,
+    ) -> tuple[np.ndarray, dict[str, tuple[int, float, int]]]:
+        """The read path in one compiled call: request keys of ``tokens`` and their prefix summary.
+
+        Returns (``token_processor.request_keys(tokens, model=, lora=)``,
+        :meth:`prefix_summary` of those keys).  Only for ``xxh3_chain`` keys
+        without extra keys (others: compute the keys, then :meth:`prefix_summary`).
+        Raises as :meth:`TokenProcessor.request_keys`.
+        """
+        tp = self.token_processor
+        if self._compat:
+            keys = tp.request_keys(tokens, model=model, lora=lora)
+            return keys, self.prefix_summary(keys, pods, weights)
+        tp._check_scope(model, lora)
+        if not isinstance(tokens, (list, tuple)):
+            tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
+        state = tp._root(model, lora)
+        cands = None if pods is None else list(pods)
+        if self._spec_by_pod:
+            keys = tp.request_keys(tokens, model=model, lora=lora)
+            return keys, self.prefix_summary(keys, cands, weights)
+        w = list(weights)
+        try:
+            keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+        except (TypeError, ValueError):
+            if isinstance(tokens, np.ndarray):
+                raise
+            # the reference's checks and errors (it also takes bools and other int-likes)
+            tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
+            keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+        return keys, {pod: (n, w, u) for pod, n, w, u in rows}
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
         """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""
@@ -485,6 +523,22 @@ def _as_keys(request_keys: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(request_keys, np.ndarray) and request_keys.dtype == np.uint64:
         return np.ascontiguousarray(request_keys)
     return np.array([int(k) for k in request_keys], dtype=np.uint64)
+
+
+def _summarise(matches: dict[str, list[int]], weights: list[float]) -> dict[str, tuple[int, float, int]]:
+    out = {}
+    for pod, masks in matches.items():
+        union = 0
+        for m in masks:
+            union |= m
+        counts: dict[int, int] = {}
+        for m in masks:
+            counts[m] = counts.get(m, 0) + 1
+        weighted = 0.0
+        for m, k in counts.items():
+            weighted += _mask_weight(m, weights) * k
+        out[pod] = (len(masks), weighted, union)
+    return out
 
 
 def _mask_weight(mask: int, weights: list[float]) -> float:

@@ -296,27 +296,31 @@ class IndexCore {
         return new_u64_array(std::move(rks));
     }
 
-    // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns blocks updated.
-    size_t store_tokenless(const std::string& pod, int32_t rank, nb::handle eks_o, u64 bit) {
+    // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns the request
+    // keys updated (unknown engine keys are counted and skipped).
+    nb::ndarray<nb::numpy, u64, nb::ndim<1>> store_tokenless(const std::string& pod, int32_t rank, nb::handle eks_o,
+                                                              u64 bit) {
         U64View eks;
         to_u64(eks_o, eks, "engine_keys");
-        nb::gil_scoped_release nogil;
-        std::unique_lock lk(mu_);
-        uint16_t ps = pod_slot(pod);
-        u64 sid = stream_id(ps, rank);
-        size_t n = 0;
-        for (size_t i = 0; i < eks.n; ++i) {
-            u64 ek = eks.data[i];
-            std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, ek);
-            if (!rk) {
-                ++c_unknown_offloads_;
-                continue;
+        std::vector<u64> done;
+        {
+            nb::gil_scoped_release nogil;
+            std::unique_lock lk(mu_);
+            uint16_t ps = pod_slot(pod);
+            u64 sid = stream_id(ps, rank);
+            for (size_t i = 0; i < eks.n; ++i) {
+                u64 ek = eks.data[i];
+                std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, ek);
+                if (!rk) {
+                    ++c_unknown_offloads_;
+                    continue;
+                }
+                put(ps, rank, sid, ek, *rk, bit);
+                done.push_back(*rk);
             }
-            put(ps, rank, sid, ek, *rk, bit);
-            ++n;
+            finish_write(ps);
         }
-        finish_write(ps);
-        return n;
+        return new_u64_array(std::move(done));
     }
 
     // BlockRemoved: returns (tier copies removed, engine keys the stream does not map).
@@ -437,47 +441,44 @@ class IndexCore {
         return out;
     }
 
-    // Per candidate pod: (matched blocks, sum over matched blocks of weight(mask)).  weights[b]
-    // is the weight of tier bit b; a block's weight is the max over its tiers.  Also returns the
-    // longest match.  Refreshes recency like prefix_match.
-    std::pair<std::vector<std::tuple<std::string, size_t, double>>, size_t> prefix_summary(
-        nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch) {
+    using Summary = std::vector<std::tuple<std::string, size_t, double, u64>>;
+
+    // Per candidate pod with a match: (pod, matched blocks, sum over the matched blocks of the
+    // block's weight, OR of the masks).  weights[b] is the weight of tier bit b; a block weighs
+    // its best tier.  Refreshes recency like prefix_match.  Also returns the longest match.
+    std::pair<Summary, size_t> prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights,
+                                              bool touch) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
         std::vector<std::string> names = candidate_names(pods_o);
-        std::vector<std::tuple<std::string, size_t, double>> res;
-        size_t longest = 0;
+        Summary res;
+        size_t longest;
         {
             nb::gil_scoped_release nogil;
-            {
-                std::shared_lock lk(mu_);
-                std::vector<int> cand_slot;
-                std::vector<std::string> cnames;
-                slots_of(names, cand_slot, cnames);
-                std::vector<size_t> cnt(cand_slot.size(), 0);
-                std::vector<double> wsum(cand_slot.size(), 0.0);
-                u64 last_m = ~0ULL;
-                double last_w = 0.0;
-                walk(keys.data, keys.n, cand_slot, [&](size_t c, size_t, u64 m) {
-                    ++cnt[c];
-                    if (m != last_m) {
-                        last_m = m;
-                        last_w = mask_weight(m, weights);
-                    }
-                    wsum[c] += last_w;
-                });
-                for (size_t c = 0; c < cand_slot.size(); ++c) {
-                    if (!cnt[c]) continue;
-                    longest = std::max(longest, cnt[c]);
-                    res.emplace_back(cnames[c], cnt[c], wsum[c]);
-                }
-            }
-            if (touch && longest) {
-                std::unique_lock lk(mu_);
-                touch_locked(keys.data, longest);
-            }
+            longest = summary_locked(keys.data, keys.n, names, weights, touch, res);
         }
         return {std::move(res), longest};
+    }
+
+    // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call.
+    std::tuple<nb::ndarray<nb::numpy, u64, nb::ndim<1>>, Summary, size_t> match_tokens(
+        u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o, std::vector<double> weights,
+        bool touch) {
+        U64View toks, K;
+        to_u64(toks_o, toks, "tokens");
+        to_u64(K_o, K, "K");
+        size_t bs = K.n;
+        if (bs == 0) throw nb::value_error("empty K");
+        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<u64> keys(toks.n / bs);
+        Summary res;
+        size_t longest;
+        {
+            nb::gil_scoped_release nogil;
+            chain_into(state, toks.data, keys.size(), K.data, bs, A, nullptr, keys.data());
+            longest = summary_locked(keys.data(), keys.size(), names, weights, touch, res);
+        }
+        return {new_u64_array(std::move(keys)), std::move(res), longest};
     }
 
     // Per candidate pod: tier mask (OR over ranks) of every key, 0 where it holds none.
@@ -710,6 +711,49 @@ class IndexCore {
 
   private:
     // ----------------------------------------------------------- helpers
+
+    size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
+                          const std::vector<double>& weights, bool touch, Summary& res) {
+        size_t longest = 0;
+        {
+            std::shared_lock lk(mu_);
+            std::vector<int> cand_slot;
+            std::vector<std::string> cnames;
+            slots_of(names, cand_slot, cnames);
+            std::vector<size_t> cnt(cand_slot.size(), 0);
+            std::vector<u64> uni(cand_slot.size(), 0);
+            // per candidate: (mask, blocks) in first-seen order; weighted = sum of weight(mask) * blocks
+            // in that order, the same float operations as scorer.prefix.prefix_scores_from_matches
+            std::vector<std::vector<std::pair<u64, size_t>>> runs(cand_slot.size());
+            walk(keys, n, cand_slot, [&](size_t c, size_t, u64 m) {
+                ++cnt[c];
+                uni[c] |= m;
+                auto& r = runs[c];
+                if (!r.empty() && r.back().first == m) {
+                    ++r.back().second;
+                    return;
+                }
+                for (auto& e : r)
+                    if (e.first == m) {
+                        ++e.second;
+                        return;
+                    }
+                r.emplace_back(m, 1);
+            });
+            for (size_t c = 0; c < cand_slot.size(); ++c) {
+                if (!cnt[c]) continue;
+                longest = std::max(longest, cnt[c]);
+                double w = 0.0;
+                for (auto& e : runs[c]) w += mask_weight(e.first, weights) * (double)e.second;
+                res.emplace_back(cnames[c], cnt[c], w, uni[c]);
+            }
+        }
+        if (touch && longest) {
+            std::unique_lock lk(mu_);
+            touch_locked(keys, longest);
+        }
+        return longest;
+    }
 
     std::vector<std::string> candidate_names(nb::handle pods_o) {
         std::vector<std::string> names;
@@ -1086,6 +1130,8 @@ NB_MODULE(_native, m) {
         .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"))
         .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),
              nb::arg("weights"), nb::arg("touch"))
+        .def("match_tokens", &IndexCore::match_tokens, nb::arg("state"), nb::arg("tokens"), nb::arg("K"),
+             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"))
         .def("pod_masks", &IndexCore::pod_masks)
         .def("lookup", &IndexCore::lookup)
         .def("best_dp_rank", &IndexCore::best_dp_rank)

@@ -218,7 +218,8 @@ def test_prefix_summary_equals_scoring_the_masks():
     weights[tier_bit("cpu").bit_length() - 1] = 0.8
     weights[tier_bit("storage").bit_length() - 1] = 0.5
     keys = U.request_keys(0)
-    assert ix.prefix_summary(keys, None, weights) == {"a": (4, 4.0), "b": (2, 1.6)}
+    gpu, cpu, storage = tier_bit("gpu"), tier_bit("cpu"), tier_bit("storage")
+    assert ix.prefix_summary(keys, None, weights) == {"a": (4, 4.0, gpu), "b": (2, 0.8 + 0.8, cpu | storage)}
     assert ix.prefix_match(keys) == ref.prefix_match(keys)
 
 
@@ -240,3 +241,38 @@ def test_native_chain_is_bit_identical(toks, bs, seed, model):
     assert got.tolist() == want.tolist()
     got_list = _native.xxh3_chain(tp._root(model, None), toks, tp._K, tp._A)
     assert got_list.tolist() == want.tolist()
+
+
+# -- 4. the facade's compiled read path gives the reference's scores
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stores=st.lists(
+        st.tuples(st.sampled_from(PODS), st.sampled_from(RANKS), st.integers(0, len(U.paths) - 1),
+                  st.integers(1, 6), st.sampled_from(TIERS)),
+        max_size=12,
+    ),
+    path=st.integers(0, len(U.paths) - 1),
+    extra_tokens=st.integers(0, 7),
+    pods=st.none() | st.lists(st.sampled_from(PODS + ["zz"]), min_size=1, max_size=4),
+    as_array=st.booleans(),
+)
+def test_indexer_score_same_on_both_backends(stores, path, extra_tokens, pods, as_array):
+    def indexer(backend):
+        return Indexer(Config.from_dict({
+            "token_processor_config": {"block_size": BS, "hash_seed": 11},
+            "kv_block_index_config": {"backend": backend},
+            "scorer_config": {"tier_weights": {"gpu": 1.0, "cpu": 0.7, "storage": 0.3}},
+        }))
+
+    ixs = [indexer("python"), indexer("native")]
+    for ix in ixs:
+        for pod, rank, p, n, tier in stores:
+            eks = [U.ek(p, k) for k in range(n)]
+            ix.index.block_stored(pod, rank, eks, None, list(U.tokens(p, 0, n)), tier, block_size=BS)
+    tokens = list(U.paths[path]) + list(range(extra_tokens))
+    arg = np.array(tokens, dtype=np.int64) if as_array else tokens
+    a, b = (ix.score(arg, pods) for ix in ixs)
+    assert a == b
+    assert ixs[0].index.stats() == ixs[1].index.stats()
