@@ -32,6 +32,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
+	$(PY) bench/bench_dynamo.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

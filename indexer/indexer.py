@@ -134,6 +134,7 @@ class Indexer:
         )
         self.speculative_ttl = sc.speculative_ttl
         self._bit_weight_cache: list[float] = []
+        self._best_tier_cache: dict[int, str | None] = {}
         self._loads: dict[str, LoadSnapshot] = {}
         self._in_flight: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -296,7 +297,7 @@ class Indexer:
 
     def _bit_weights(self) -> list[float]:
         """Tier weight per tier bit (registry order), for the compiled read path."""
-        n = len(TIERS.names((1 << 62) - 1))
+        n = len(TIERS)
         w = self._bit_weight_cache
         if len(w) != n:
             w = self._bit_weight_cache = [self.tier_weights.best(1 << b) for b in range(n)]
@@ -321,9 +322,15 @@ class Indexer:
                 matched_tokens=n * bs,
                 weighted_blocks=weighted,
                 coverage=min(1.0, weighted / request_blocks),
-                best_tier=self.tier_weights.best_tier(union),
+                best_tier=self._best_tier(union),
             )
         return out
+
+    def _best_tier(self, mask: int) -> str | None:
+        name = self._best_tier_cache.get(mask, "")
+        if name == "":
+            name = self._best_tier_cache[mask] = self.tier_weights.best_tier(mask)
+        return name
 
     def _check_model(self, model: str | None) -> None:
         """Warn once when scoring a model no event has stored blocks for: keys are
