@@ -9,6 +9,8 @@ engine key -> request key makes clearing a pod cost O(that pod's keys).
 Write path (called by the kvevents pool, one writer per pod at a time):
 :meth:`KVBlockIndex.block_stored`, :meth:`KVBlockIndex.block_removed`,
 :meth:`KVBlockIndex.clear`, :meth:`KVBlockIndex.add_speculative`.
+Router-held entries by request key (the connector's decode-retained tier):
+:meth:`KVBlockIndex.add_held`, :meth:`KVBlockIndex.remove_held`.
 Read path (any thread): :meth:`KVBlockIndex.prefix_match`,
 :meth:`KVBlockIndex.lookup`.
 
@@ -193,6 +195,10 @@ class KVBlockIndex:
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_order: SortedList = SortedList()
         self._spec_by_pod: dict[str, set[int]] = {}
+        # held by request key (no engine key; e.g. decode-retained):
+        # pod -> request key -> tier bit -> reference count; pod -> request key -> mask
+        self._held: dict[str, dict[int, dict[int, int]]] = {}
+        self._held_mask: dict[str, dict[int, int]] = {}
         self._c = dict.fromkeys(
             (
                 "evictions",
@@ -345,6 +351,9 @@ class KVBlockIndex:
                             del self._blocks[rk]
             self._drop_orphans_of(pod, dp_rank)
             if dp_rank is None:
+                held = self._held.pop(pod, None)
+                self._held_mask.pop(pod, None)
+                n += len(held or ())
                 for rk in self._spec_by_pod.pop(pod, ()):
                     holders = self._spec.get(rk)
                     expiry = holders.pop(pod, None) if holders is not None else None
@@ -389,6 +398,60 @@ class KVBlockIndex:
                 mine.add(rk)
                 self._spec_order.add((expiry, rk, pod))
 
+    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
+        """Count ``pod`` as holding ``request_keys`` in ``tier``, by request key, until removed.
+
+        For KV the router knows about without engine events, e.g. the blocks a
+        decode pod retains for a conversation's next turn (tier
+        ``decode_retained``, kept by :class:`connector.retained.RetainedStore`).
+        Reference-counted per (pod, request key, tier): each add needs one
+        :meth:`remove_held`.  No expiry and no LRU eviction of their own (the
+        caller owns their lifetime); :meth:`clear` of the whole pod drops them.
+        The read path ORs the tier into the pod's mask of each key.
+        """
+        bit = tier_bit(tier)
+        with self._lock:
+            held = self._held.setdefault(pod, {})
+            masks = self._held_mask.setdefault(pod, {})
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.setdefault(rk, {})
+                counts[bit] = counts.get(bit, 0) + 1
+                masks[rk] = masks.get(rk, 0) | bit
+
+    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
+        """Undo one :meth:`add_held` of ``request_keys``; returns the entries that ended.
+
+        Keys not held (or already released) are skipped.
+        """
+        bit = tier_bit(tier)
+        ended = 0
+        with self._lock:
+            held = self._held.get(pod)
+            if held is None:
+                return 0
+            masks = self._held_mask[pod]
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.get(rk)
+                c = counts.get(bit) if counts is not None else None
+                if c is None:
+                    continue
+                if c > 1:
+                    counts[bit] = c - 1
+                    continue
+                del counts[bit]
+                ended += 1
+                if counts:
+                    masks[rk] &= ~bit
+                else:
+                    del held[rk]
+                    del masks[rk]
+            if not held:
+                del self._held[pod]
+                del self._held_mask[pod]
+        return ended
+
     # ------------------------------------------------------------------- read
 
     def prefix_match(
@@ -416,12 +479,14 @@ class KVBlockIndex:
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
-            candidates = self._pod_masks.keys() | self._spec_by_pod.keys() if pods is None else pods
+            candidates = (
+                self._pod_masks.keys() | self._spec_by_pod.keys() | self._held.keys() if pods is None else pods
+            )
             longest = 0
             speculative = False
             walk: list[str] = []
             for pod in candidates:
-                if self._spec_by_pod.get(pod):
+                if self._spec_by_pod.get(pod) or pod in self._held:
                     speculative = True
                     masks = self._walk_with_speculative(pod, self._pod_masks.get(pod) or {}, keys)
                     if masks:
@@ -480,9 +545,12 @@ class KVBlockIndex:
 
     def _walk_with_speculative(self, pod: str, pm: dict[int, int], keys: list[int]) -> list[int]:
         spec = self._spec
+        held = self._held_mask.get(pod)
         masks: list[int] = []
         for rk in keys:
             m = pm.get(rk)
+            if held is not None and rk in held:
+                m = (m or 0) | held[rk]
             if m is None:
                 holders = spec.get(rk)
                 if holders is None or pod not in holders:
@@ -507,6 +575,9 @@ class KVBlockIndex:
                 for pod, pb in (self._blocks.get(rk) or {}).items():
                     for rank, (mask, _ek) in pb.ranks.items():
                         entries.extend(PodEntry(pod, t, rank) for t in tier_names(mask))
+                for pod, hm in self._held_mask.items():
+                    if rk in hm:
+                        entries.extend(PodEntry(pod, t, 0) for t in tier_names(hm[rk]))
                 entries.sort()
                 spec = sorted(PodEntry(p, GPU, 0, True) for p in (self._spec.get(rk) or {}))
                 out.append(tuple(entries + spec))
@@ -545,7 +616,9 @@ class KVBlockIndex:
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
         with self._lock:
-            return frozenset(self._pod_masks.keys() | {p for p, keys in self._spec_by_pod.items() if keys})
+            return frozenset(
+                self._pod_masks.keys() | self._held.keys() | {p for p, keys in self._spec_by_pod.items() if keys}
+            )
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""

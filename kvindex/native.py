@@ -99,6 +99,9 @@ class NativeKVBlockIndex:
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_order: SortedList = SortedList()
         self._spec_by_pod: dict[str, set[int]] = {}
+        # held by request key (kvindex.index.KVBlockIndex.add_held): pod -> key -> tier bit -> count; masks
+        self._held: dict[str, dict[int, dict[int, int]]] = {}
+        self._held_mask: dict[str, dict[int, int]] = {}
         # counters kept here; the core keeps evictions, stored/removed blocks, unknown removals/offloads
         self._c = dict.fromkeys(
             (
@@ -194,6 +197,9 @@ class NativeKVBlockIndex:
             n = self._core.clear(pod, rank)
             self._drop_orphans_of(pod, rank)
             if rank is None:
+                held = self._held.pop(pod, None)
+                self._held_mask.pop(pod, None)
+                n += len(held or ())
                 for rk in self._spec_by_pod.pop(pod, ()):
                     holders = self._spec.get(rk)
                     expiry = holders.pop(pod, None) if holders is not None else None
@@ -231,6 +237,48 @@ class NativeKVBlockIndex:
                 mine.add(rk)
                 self._spec_order.add((expiry, rk, pod))
 
+    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
+        """Count ``pod`` as holding ``request_keys`` in ``tier`` until removed (as the reference)."""
+        bit = tier_bit(tier)
+        with self._lock:
+            held = self._held.setdefault(pod, {})
+            masks = self._held_mask.setdefault(pod, {})
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.setdefault(rk, {})
+                counts[bit] = counts.get(bit, 0) + 1
+                masks[rk] = masks.get(rk, 0) | bit
+
+    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
+        """Undo one :meth:`add_held`; returns the entries that ended (as the reference)."""
+        bit = tier_bit(tier)
+        ended = 0
+        with self._lock:
+            held = self._held.get(pod)
+            if held is None:
+                return 0
+            masks = self._held_mask[pod]
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.get(rk)
+                c = counts.get(bit) if counts is not None else None
+                if c is None:
+                    continue
+                if c > 1:
+                    counts[bit] = c - 1
+                    continue
+                del counts[bit]
+                ended += 1
+                if counts:
+                    masks[rk] &= ~bit
+                else:
+                    del held[rk]
+                    del masks[rk]
+            if not held:
+                del self._held[pod]
+                del self._held_mask[pod]
+        return ended
+
     # ------------------------------------------------------------------- read
 
     def prefix_match(
@@ -244,12 +292,13 @@ class NativeKVBlockIndex:
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
-        if not self._spec_by_pod:
+        if not self._spec_by_pod and not self._held:
             return self._core.prefix_match(keys, None if pods is None else list(pods), True)
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
-            spec_pods = {p for p, ks in self._spec_by_pod.items() if ks}
+            # pods with speculative or held entries: walked here, the others in the core
+            spec_pods = {p for p, ks in self._spec_by_pod.items() if ks} | self._held.keys()
             if not spec_pods:
                 return self._core.prefix_match(keys, None if pods is None else list(pods), True)
             cands = list(dict.fromkeys(self._core.pods() + sorted(spec_pods) if pods is None else pods))
@@ -261,8 +310,11 @@ class NativeKVBlockIndex:
             klist = keys.tolist()
             for pod in mine:
                 row = rows[pod].tolist()
+                held = self._held_mask.get(pod)
                 masks: list[int] = []
                 for rk, m in zip(klist, row):
+                    if held is not None and rk in held:
+                        m |= held[rk]
                     if not m:
                         holders = self._spec.get(rk)
                         if holders is None or pod not in holders:
@@ -288,7 +340,7 @@ class NativeKVBlockIndex:
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
-        if self._spec_by_pod:
+        if self._spec_by_pod or self._held:
             return _summarise(self.prefix_match(keys, pods), list(weights))
         rows, _longest = self._core.prefix_summary(keys, None if pods is None else list(pods), list(weights), True)
         return {pod: (n, w, u) for pod, n, w, u in rows}
@@ -318,7 +370,7 @@ class NativeKVBlockIndex:
             tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
         state = tp._root(model, lora)
         cands = None if pods is None else list(pods)
-        if self._spec_by_pod:
+        if self._spec_by_pod or self._held:
             keys = tp.request_keys(tokens, model=model, lora=lora)
             return keys, self.prefix_summary(keys, cands, weights)
         w = list(weights)
@@ -342,6 +394,9 @@ class NativeKVBlockIndex:
             out: list[tuple[PodEntry, ...]] = []
             for rk, row in zip(keys, rows):
                 entries = [PodEntry(pod, t, rank) for pod, mask, rank in row for t in tier_names(mask)]
+                for pod, hm in self._held_mask.items():
+                    if rk in hm:
+                        entries.extend(PodEntry(pod, t, 0) for t in tier_names(hm[rk]))
                 entries.sort()
                 spec = sorted(PodEntry(p, GPU, 0, True) for p in (self._spec.get(rk) or {}))
                 out.append(tuple(entries + spec))
@@ -361,10 +416,10 @@ class NativeKVBlockIndex:
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
         real = self._core.pods()
-        if not self._spec_by_pod:
+        if not self._spec_by_pod and not self._held:
             return frozenset(real)
         with self._lock:
-            return frozenset(real).union(p for p, keys in self._spec_by_pod.items() if keys)
+            return frozenset(real).union(self._held.keys(), (p for p, keys in self._spec_by_pod.items() if keys))
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""

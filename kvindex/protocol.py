@@ -57,6 +57,11 @@ class KVIndex(Protocol):
 
     def add_speculative(self, request_keys: Iterable[int], pod: str, ttl: float, dp_rank: int = 0) -> None: ...
 
+    # router-held entries by request key (the connector's decode-retained tier)
+    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None: ...
+
+    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int: ...
+
     # read path
     def prefix_match(
         self, request_keys: Sequence[int], pods: Collection[str] | None = None

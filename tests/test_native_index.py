@@ -4,7 +4,8 @@
    tests/test_pool_stateful.py, run again with the compiled index.
 2. A hypothesis state machine drives both implementations with the same steps
    (stores with known, unknown and no parents, token-less stores, removals,
-   clears by pod and by rank, speculative entries and clock steps, a small LRU
+   clears by pod and by rank, speculative entries and clock steps, router-held
+   entries (add_held / remove_held), a small LRU
    capacity and orphan bound) and compares every read: prefix match (per pod
    and for all pods), lookup, best DP rank, level 2, pod keys, pods, models,
    sizes and counters.
@@ -146,7 +147,7 @@ class SameSteps(RuleBasedStateMachine):
     def remove(self, pod, rank, path, i, tier):
         self.both("block_removed", pod, rank, [U.ek(path, i), 77], tier)
 
-    @rule(pod=st.sampled_from(PODS), rank=st.none() | st.sampled_from(RANKS))
+    @rule(pod=st.sampled_from(PODS + ["d"]), rank=st.none() | st.sampled_from(RANKS))
     def clear(self, pod, rank):
         self.both("clear", pod, rank)
 
@@ -155,11 +156,17 @@ class SameSteps(RuleBasedStateMachine):
     def speculative(self, pod, path, n, ttl):
         self.both("add_speculative", U.request_keys(path)[:n], pod, ttl)
 
+    @rule(pod=st.sampled_from(PODS + ["d"]), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
+          tier=st.sampled_from(["decode_retained", "gpu"]), add=st.booleans())
+    def held(self, pod, path, n, tier, add):
+        self.both("add_held" if add else "remove_held", pod, U.request_keys(path)[:n], tier)
+
     @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
     def tick(self, dt):
         self.now[0] += dt
 
-    @rule(path=st.integers(0, len(U.paths) - 1), pods=st.none() | st.lists(st.sampled_from(PODS + ["zz"]), max_size=3),
+    @rule(path=st.integers(0, len(U.paths) - 1),
+          pods=st.none() | st.lists(st.sampled_from(PODS + ["d", "zz"]), max_size=3),
           as_array=st.booleans())
     def match(self, path, pods, as_array):
         keys = U.request_keys(path)

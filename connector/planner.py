@@ -1,0 +1,385 @@
+"""One P/D turn's decisions: which prefill pod, which decode pod, pull or recompute, and the params.
+
+A router calls :meth:`PDPlanner.plan` once per turn (no HTTP inside), sends P
+the returned ``prefill_params`` (with ``max_tokens`` 1, ``stream`` false), gets
+D's params from P's answer with :meth:`PDPlanner.decode_params`, sends D the
+request, and hands D's answer to :meth:`PDPlanner.decode_answered`, which
+refreshes the conversation's retained entry (:mod:`connector.retained`).  When
+P or D fails on a turn that pulled, :meth:`PDPlanner.fallback` gives the same
+turn without remote params (counted).
+
+Decisions (all explained in :attr:`TurnPlan.reasons`):
+
+- **P**: the weighted picker over the prefill candidates, from their own
+  prefix hits in the index (local KV) and their load.
+- **Pull or recompute**: pull only when the conversation has a live retained
+  entry whose decode pod is still a candidate, the guard
+  (:func:`connector.guard.clip_to_prompt`) leaves something reusable, and
+  ``pullable - local >= recompute_threshold`` (the rule of vLLM 0.32's
+  NixlConnector: below it P declines the pull itself).  A pull spends one use
+  of the entry.
+- **D**: the weighted picker over the decode candidates, whose prefix scores
+  count D's own prefix cache (from its KV events) and the decode-retained tier,
+  so the D holding the conversation is preferred unless its load outweighs it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import numpy as np
+
+from connector.guard import GuardResult, clip_to_prompt
+from connector.params import RemoteKVParams, prefill_request_params
+from connector.retained import RetainedEntry, RetainedStore
+from kvindex.keys import TokenProcessor
+from kvindex.tiers import TierWeights
+from scorer.load import LoadSnapshot
+from scorer.picker import Choice, WeightedPicker
+from scorer.prefix import PrefixIndex, predicted_cached_tokens, score_prefix
+
+__all__ = ["TurnPlan", "PlannerStats", "PDPlanner", "predicted_pull_tokens"]
+
+PULL = "pull"
+RECOMPUTE = "recompute"
+
+
+def predicted_pull_tokens(remote_num_tokens: int, prompt_tokens: int, local_tokens: int) -> int:
+    """Tokens P will count as external (loaded from D): ``min(remote_num_tokens, prompt_tokens) - local_tokens`` (>= 0).
+
+    Mirrors vLLM 0.32 NixlConnector's scheduler side
+    (vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_scheduler.py,
+    ``get_num_new_matched_tokens`` for params with ``do_remote_decode``): the
+    remote KV covers up to ``remote_num_tokens``, and P's own prefix-cache hits
+    (``local_tokens``) come first.  When the remote KV covers the whole
+    prompt, vLLM's scheduler recomputes the last token after the load.
+    """
+    return max(0, min(remote_num_tokens, prompt_tokens) - local_tokens)
+
+
+class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The decisions for one turn.
+
+    Fields:
+        conversation_id: the conversation (None: a one-off request).
+        prefill_pod, decode_pod: the chosen pods.
+        action: "pull" (P loads D's retained KV) or "recompute".
+        prefill_params: the ``kv_transfer_params`` JSON object for P's request.
+        prompt_tokens: length of the prompt (tokens).
+        local_tokens: P's predicted prefix-cache hit (tokens).
+        pullable_tokens: tokens the guard left reusable from D (0 if none).
+        pulled_tokens: predicted tokens P loads from D (0 for recompute).
+        guard: the guard's result (None when there was no entry to check).
+        retained_pod: the decode pod holding the entry (None without one).
+        reasons: why, one line each.
+        prefill_choice, decode_choice: the pickers' explanations.
+        fallback: None, or why this plan replaced a failed pull.
+    """
+
+    conversation_id: str | None
+    prefill_pod: str
+    decode_pod: str
+    action: str
+    prefill_params: dict
+    prompt_tokens: int
+    local_tokens: int
+    pullable_tokens: int
+    pulled_tokens: int
+    guard: GuardResult | None
+    retained_pod: str | None
+    reasons: list[str]
+    prefill_choice: Choice
+    decode_choice: Choice
+    fallback: str | None = None
+
+    def explain(self) -> str:
+        """One paragraph: pods, action, token counts and the reasons."""
+        head = (
+            f"P={self.prefill_pod} D={self.decode_pod} {self.action}: prompt {self.prompt_tokens}, "
+            f"local {self.local_tokens}, pullable {self.pullable_tokens}, pulled {self.pulled_tokens}"
+        )
+        return "\n".join([head] + [f"  - {r}" for r in self.reasons])
+
+
+class PlannerStats(msgspec.Struct, frozen=True):
+    """Counters of a :class:`PDPlanner`.
+
+    turns, pulls; recomputes by reason kind; clipped (guard cut the params);
+    fallbacks by cause; retained_stored (entries refreshed from D);
+    bad_decode_answers (D params whose block ids do not cover their tokens:
+    dropped).
+    """
+
+    turns: int
+    pulls: int
+    recomputes: dict[str, int]
+    clipped: int
+    fallbacks: dict[str, int]
+    retained_stored: int
+    bad_decode_answers: int
+
+
+class PDPlanner:
+    """Plans P/D turns over an index, a retained store and pickers.
+
+    Args:
+        index: the shared index (``kvindex.index.KVBlockIndex``).
+        token_processor: turns tokens into request keys (the index's).
+        store: the decode-retained store (mirrored into ``index``).
+        recompute_threshold: the engines' ``kv_recompute_threshold`` (tokens,
+            >= 0; vLLM 0.32's default 64).  Set it from
+            :mod:`connector.advisor` and configure the engines alike.
+        prefill_picker, decode_picker: pickers (default
+            :class:`scorer.picker.WeightedPicker`).
+        tier_weights: weights of the tiers in the prefix scores (default
+            :class:`kvindex.tiers.TierWeights`: decode_retained 0.7).
+        guard: True (default) runs the prompt-extends-retained check; False
+            sends D's params unclipped, as routers that trust the client do
+            (for comparisons only: it lets P load KV for other tokens).
+        model: model name scoping the request keys (as in the KV events).
+
+    Raises:
+        ValueError: a negative threshold, or a store mirroring into another index.
+    """
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        token_processor: TokenProcessor,
+        store: RetainedStore,
+        *,
+        recompute_threshold: int = 64,
+        prefill_picker: WeightedPicker | None = None,
+        decode_picker: WeightedPicker | None = None,
+        tier_weights: TierWeights | Mapping[str, float] | None = None,
+        guard: bool = True,
+        model: str | None = None,
+    ) -> None:
+        if recompute_threshold < 0:
+            raise ValueError(f"recompute_threshold must be >= 0, got {recompute_threshold}")
+        if store.index is not None and store.index is not index:
+            raise ValueError("the retained store must mirror into the planner's index")
+        self.index = index
+        self.tp = token_processor
+        self.block_size = token_processor.block_size
+        self.store = store
+        self.recompute_threshold = recompute_threshold
+        self.prefill_picker = prefill_picker or WeightedPicker()
+        self.decode_picker = decode_picker or WeightedPicker()
+        self.weights = TierWeights.of(tier_weights)
+        self.guard = guard
+        self.model = model
+        self._lock = threading.Lock()
+        self._turns = 0
+        self._pulls = 0
+        self._clipped = 0
+        self._retained = 0
+        self._bad_answers = 0
+        self._recomputes: Counter[str] = Counter()
+        self._fallbacks: Counter[str] = Counter()
+
+    def request_keys(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Request keys of ``tokens``' whole blocks (uint64 array)."""
+        return self.tp.request_keys(tokens, model=self.model)
+
+    # ------------------------------------------------------------------ turns
+
+    def plan(
+        self,
+        conversation_id: str | None,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        prefill_pods: Sequence[str],
+        decode_pods: Sequence[str],
+        loads: Mapping[str, LoadSnapshot] | None = None,
+    ) -> TurnPlan:
+        """Decide one turn (see the module docstring).
+
+        Args:
+            conversation_id: None for a request outside any conversation.
+            prompt_tokens: the full prompt's token ids (chat template applied).
+            prefill_pods, decode_pods: candidates (non-empty).
+            loads: pod -> LoadSnapshot (missing pods count as idle).
+
+        Raises:
+            ValueError: no prefill or no decode candidates.
+        """
+        if not prefill_pods or not decode_pods:
+            raise ValueError("plan needs at least one prefill and one decode pod")
+        loads = loads or {}
+        tokens = np.asarray(prompt_tokens, dtype=np.int64)
+        n_prompt = len(tokens)
+        keys = self.request_keys(tokens)
+        reasons: list[str] = []
+
+        p_scores = score_prefix(self.index, keys, list(prefill_pods), block_size=self.block_size, weights=self.weights)
+        p_choice = self.prefill_picker.pick(p_scores, loads, list(prefill_pods))
+        p = p_choice.pod
+        local = predicted_cached_tokens(p_scores[p].matched_blocks, n_prompt, self.block_size)
+        reasons.append(f"P {p}: {p_choice.explanation[p].reason}; {local} tokens cached locally")
+
+        d_scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
+        d_choice = self.decode_picker.pick(d_scores, loads, list(decode_pods))
+        d = d_choice.pod
+
+        entry = self.store.get(conversation_id) if conversation_id is not None else None
+        retained_pod = entry.decode_pod if entry is not None else None
+        if retained_pod is not None:
+            why = "holds the conversation" if d == retained_pod else f"{retained_pod} holds the conversation but lost"
+            reasons.append(f"D {d}: {d_choice.explanation[d].reason} ({why})")
+        else:
+            reasons.append(f"D {d}: {d_choice.explanation[d].reason}")
+
+        guard: GuardResult | None = None
+        pullable = 0
+        remote: RemoteKVParams | None = None
+        kind: str | None = None
+        if conversation_id is None:
+            kind, why = "no_conversation", "no conversation_id: nothing retained to pull"
+        elif entry is None:
+            kind, why = "no_entry", "no live retained entry (first turn, expired, used or evicted)"
+        elif entry.decode_pod not in decode_pods:
+            kind, why = "decode_gone", f"retained on {entry.decode_pod}, which is no longer a decode candidate"
+            self.store.discard(conversation_id)
+        else:
+            if self.guard:
+                guard = clip_to_prompt(
+                    entry.params, entry.tokens, entry.request_keys, tokens, keys, self.block_size
+                )
+                remote = guard.params
+                pullable = guard.reusable_tokens
+                if guard.clipped:
+                    with self._lock:
+                        self._clipped += 1
+                reasons.append(f"guard: {guard.reason}")
+            else:
+                remote = entry.params
+                pullable = entry.num_tokens
+                reasons.append("guard off: D's params sent as they are")
+            if remote is None:
+                kind, why = "guard_nothing", "nothing reusable after the guard"
+                self.store.discard(conversation_id)
+            else:
+                pull = predicted_pull_tokens(pullable, n_prompt, local)
+                if pull < self.recompute_threshold or pull == 0:
+                    kind = "below_threshold"
+                    why = (
+                        f"pullable {min(pullable, n_prompt)} - local {local} = {pull} "
+                        f"< threshold {self.recompute_threshold}"
+                    )
+                else:
+                    why = (
+                        f"pullable {min(pullable, n_prompt)} - local {local} = {pull} "
+                        f">= threshold {self.recompute_threshold}: pull from {entry.decode_pod}"
+                    )
+        if kind is None and remote is not None and entry is not None:
+            assert conversation_id is not None
+            self.store.take(conversation_id)
+            pulled = predicted_pull_tokens(pullable, n_prompt, local)
+            action, params = PULL, remote.to_dict()
+            with self._lock:
+                self._pulls += 1
+        else:
+            pulled = 0
+            action, params = RECOMPUTE, prefill_request_params().to_dict()
+            with self._lock:
+                self._recomputes[kind or "other"] += 1
+        reasons.append(f"{action}: {why}")
+        with self._lock:
+            self._turns += 1
+        return TurnPlan(
+            conversation_id=conversation_id,
+            prefill_pod=p,
+            decode_pod=d,
+            action=action,
+            prefill_params=params,
+            prompt_tokens=n_prompt,
+            local_tokens=local,
+            pullable_tokens=pullable,
+            pulled_tokens=pulled,
+            guard=guard,
+            retained_pod=retained_pod,
+            reasons=reasons,
+            prefill_choice=p_choice,
+            decode_choice=d_choice,
+        )
+
+    def fallback(self, plan: TurnPlan, cause: str) -> TurnPlan:
+        """The same turn without remote params, after a failed pull (counted by ``cause``).
+
+        E.g. P answered HTTP 500 because D's entry expired on D's clock
+        (NixlConnector's default ``kv_load_failure_policy`` "fail"), or D was
+        unreachable.  The retained entry is already spent.
+        """
+        with self._lock:
+            self._fallbacks[cause] += 1
+        return msgspec.structs.replace(
+            plan,
+            action=RECOMPUTE,
+            prefill_params=prefill_request_params().to_dict(),
+            pulled_tokens=0,
+            fallback=cause,
+            reasons=[*plan.reasons, f"fallback to recompute: {cause}"],
+        )
+
+    @staticmethod
+    def decode_params(prefill_answer: RemoteKVParams | None) -> dict | None:
+        """Leg 3: the params for D's request from P's answer (None: P gave none, D computes alone)."""
+        if prefill_answer is None or not prefill_answer.do_remote_prefill:
+            return None
+        return prefill_answer.to_dict()
+
+    def decode_answered(
+        self,
+        plan: TurnPlan,
+        decode_answer: RemoteKVParams | None,
+        tokens: Sequence[int] | np.ndarray,
+    ) -> RetainedEntry | None:
+        """Refresh the conversation's retained entry from D's answer.
+
+        Args:
+            plan: this turn's plan (names the conversation and D).
+            decode_answer: D's kv_transfer_params (None when D gave none, e.g.
+                a streamed answer in vLLM 0.32 or D not bidirectional).
+            tokens: prompt token ids followed by the generated token ids; the
+                first ``remote_num_tokens`` are the ones D holds.
+
+        Returns:
+            The new entry, or None (then any old entry is dropped: D's
+            retained blocks of an older turn no longer extend the history).
+        """
+        cid = plan.conversation_id
+        if cid is None:
+            return None
+        if decode_answer is None or not decode_answer.do_remote_decode:
+            self.store.discard(cid)
+            return None
+        toks = np.asarray(tokens, dtype=np.int64)
+        n = decode_answer.remote_num_tokens if decode_answer.remote_num_tokens is not None else len(toks)
+        need = -(-n // self.block_size)
+        if n > len(toks) or any(len(g) < need for g in decode_answer.remote_block_ids):
+            # D's answer does not fit the tokens: never keep it
+            self.store.discard(cid)
+            with self._lock:
+                self._bad_answers += 1
+            return None
+        held = toks[:n]
+        entry = self.store.put(cid, plan.decode_pod, decode_answer, held, self.request_keys(held))
+        with self._lock:
+            self._retained += 1
+        return entry
+
+    def stats(self) -> PlannerStats:
+        """Counters snapshot (see :class:`PlannerStats`)."""
+        with self._lock:
+            return PlannerStats(
+                turns=self._turns,
+                pulls=self._pulls,
+                recomputes=dict(self._recomputes),
+                clipped=self._clipped,
+                fallbacks=dict(self._fallbacks),
+                retained_stored=self._retained,
+                bad_decode_answers=self._bad_answers,
+            )

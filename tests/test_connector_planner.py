@@ -1,0 +1,214 @@
+"""PDPlanner: choice of P and D, pull or recompute, params per leg, retained-entry refresh (no engines)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.params import parse_params
+from connector.planner import PDPlanner, predicted_pull_tokens
+from connector.retained import RetainedStore
+from kvindex.index import KVBlockIndex
+from kvindex.keys import TokenProcessor
+from kvindex.tiers import DECODE_RETAINED, GPU
+from scorer.load import LoadSnapshot
+
+BS = 16
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def d_answer(n_tokens: int, req: str = "r1", port: int = 5600) -> object:
+    return parse_params(
+        {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_block_ids": [list(range(10, 10 + -(-n_tokens // BS)))],
+            "remote_engine_id": "eng-d0",
+            "remote_request_id": req,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": n_tokens,
+            "remote_blocks_expiry_time": 1e6,
+            "transfer_mode": "pull",
+        }
+    )
+
+
+def make(threshold: int = 64, guard: bool = True, ttl: float = 450.0):
+    clock = Clock()
+    tp = TokenProcessor(block_size=BS)
+    index = KVBlockIndex(tp, clock=clock)
+    store = RetainedStore(index, ttl=ttl, clock=clock)
+    return PDPlanner(index, tp, store, recompute_threshold=threshold, guard=guard), clock
+
+
+def turn(planner, cid, prompt, output, ps=("p0", "p1"), ds=("d0", "d1"), loads=None):
+    """One turn with a D that answers like vLLM 0.32: remote_num_tokens = prompt + output - 1."""
+    plan = planner.plan(cid, prompt, list(ps), list(ds), loads)
+    held = len(prompt) + len(output) - 1
+    planner.decode_answered(plan, d_answer(held, req=f"r{len(prompt)}"), list(prompt) + list(output))
+    return plan
+
+
+def test_first_turn_recomputes_then_second_pulls_once():
+    planner, _ = make()
+    prompt1 = list(range(200))
+    out1 = list(range(1000, 1050))
+    p1 = turn(planner, "c", prompt1, out1)
+    assert p1.action == "recompute" and p1.prefill_params["do_remote_decode"] is True
+    assert p1.prefill_params["remote_block_ids"] is None
+    held = prompt1 + out1[:-1]
+    # the retained blocks show up in the index on D under decode_retained
+    keys = planner.request_keys(held)
+    assert all(e[0].tier == DECODE_RETAINED and e[0].pod == p1.decode_pod for e in planner.index.lookup(keys))
+    prompt2 = prompt1 + out1 + list(range(2000, 2030))
+    plan = planner.plan("c", prompt2, ["p0", "p1"], ["d0", "d1"])
+    assert plan.action == "pull", plan.explain()
+    assert plan.decode_pod == p1.decode_pod  # the D holding the conversation
+    assert plan.prefill_params == d_answer(len(held), req="r200").to_dict()
+    assert plan.pulled_tokens == len(held) and plan.local_tokens == 0
+    # used once: the same conversation without a fresh D answer recomputes
+    again = planner.plan("c", prompt2, ["p0"], ["d0", "d1"])
+    assert again.action == "recompute" and "no live retained entry" in again.reasons[-1]
+    st_ = planner.stats()
+    assert st_.pulls == 1 and st_.turns == 3 and st_.recomputes == {"no_entry": 2}
+
+
+def test_edited_history_is_clipped_and_explained():
+    planner, _ = make(threshold=16)
+    prompt1 = list(range(300))
+    out1 = list(range(1000, 1040))
+    turn(planner, "c", prompt1, out1)
+    edited = prompt1[:100] + prompt1[110:] + out1 + [5, 6, 7]  # a span stripped at token 100
+    plan = planner.plan("c", edited, ["p0"], ["d0", "d1"])
+    assert plan.action == "pull"
+    assert plan.prefill_params["remote_num_tokens"] == 96
+    assert plan.prefill_params["remote_block_ids"] == [list(range(10, 16))]
+    assert plan.guard.clipped and "token 100" in plan.guard.reason
+    assert planner.stats().clipped == 1
+    # a change in the first block: nothing reusable, entry dropped
+    turn(planner, "c2", prompt1, out1)
+    plan = planner.plan("c2", [7] + prompt1[1:] + out1, ["p0"], ["d0"])
+    assert plan.action == "recompute" and plan.prefill_params["remote_block_ids"] is None
+    assert "c2" not in planner.store
+
+
+def test_guard_off_sends_unclipped_params():
+    planner, _ = make(guard=False)
+    prompt1 = list(range(300))
+    turn(planner, "c", prompt1, [1, 2, 3])
+    plan = planner.plan("c", [9] * 400, ["p0"], ["d0"])
+    assert plan.action == "pull" and plan.prefill_params["remote_num_tokens"] == 302
+
+
+def test_threshold_counts_local_hits():
+    planner, _ = make(threshold=64)
+    prompt1 = list(range(200))
+    out = list(range(1000, 1010))
+    turn(planner, "c", prompt1, out)
+    # p0 already holds the first 192 tokens (12 blocks) in its own prefix cache
+    idx = planner.index
+    idx.block_stored("p0", 0, list(range(1, 13)), None, prompt1[:192], GPU, block_size=BS)
+    plan = planner.plan("c", prompt1 + out + [1], ["p0", "p1"], ["d0", "d1"])
+    assert plan.prefill_pod == "p0" and plan.local_tokens == 192
+    assert plan.action == "recompute" and "< threshold 64" in plan.reasons[-1]
+    assert plan.pulled_tokens == 0
+    assert predicted_pull_tokens(209, 211, 192) == 17
+
+
+def test_decode_choice_prefers_holder_unless_loaded():
+    planner, _ = make()
+    prompt1 = list(range(400))
+    out = list(range(1000, 1100))
+    first = turn(planner, "c", prompt1, out, ds=("d1",))
+    assert first.decode_pod == "d1"
+    p2 = prompt1 + out + [4]
+    plan = planner.plan("c", p2, ["p0"], ["d0", "d1"])
+    assert plan.decode_pod == "d1" and "holds the conversation" in plan.reasons[1]
+    turn(planner, "c3", prompt1, out, ds=("d1",))
+    busy = {"d1": LoadSnapshot(waiting=50, kv_usage=0.99), "d0": LoadSnapshot()}
+    plan = planner.plan("c3", p2, ["p0"], ["d0", "d1"], busy)
+    assert plan.decode_pod == "d0" and "d1 holds the conversation but lost" in plan.reasons[1]
+    assert plan.action == "pull"  # P still pulls from d1, wherever D runs now
+
+
+def test_expiry_gone_pod_fallback_and_bad_answers():
+    planner, clock = make(ttl=10.0)
+    prompt1 = list(range(200))
+    turn(planner, "c", prompt1, [1, 2])
+    clock.t += 10.0
+    assert planner.plan("c", prompt1 + [1, 2, 3], ["p0"], ["d0", "d1"]).action == "recompute"
+    turn(planner, "c", prompt1, [1, 2], ds=("d1",))
+    plan = planner.plan("c", prompt1 + [1, 2, 3], ["p0"], ["d0"])
+    assert plan.action == "recompute" and "no longer a decode candidate" in plan.reasons[-1]
+    turn(planner, "c", prompt1, [1, 2])
+    plan = planner.plan("c", prompt1 + [1, 2, 3], ["p0"], ["d0", "d1"])
+    fb = planner.fallback(plan, "prefill_http_500")
+    assert fb.action == "recompute" and fb.prefill_params["remote_block_ids"] is None and fb.fallback
+    assert planner.stats().fallbacks == {"prefill_http_500": 1}
+    # D answers that do not fit their tokens are dropped
+    bad = d_answer(500)
+    assert planner.decode_answered(plan, bad, prompt1) is None
+    assert planner.stats().bad_decode_answers == 1
+    assert planner.decode_answered(plan, None, prompt1) is None and "c" not in planner.store
+    with pytest.raises(ValueError):
+        planner.plan("c", prompt1, [], ["d0"])
+
+
+@st.composite
+def conversations(draw):
+    steps = []
+    for _ in range(draw(st.integers(1, 5))):
+        edit = draw(st.sampled_from(["extend", "strip", "change", "fresh"]))
+        steps.append(
+            (
+                edit,
+                draw(st.integers(0, 10**6)),
+                draw(st.lists(st.integers(0, 30), min_size=1, max_size=60)),
+                draw(st.lists(st.integers(0, 30), min_size=1, max_size=40)),
+            )
+        )
+    return draw(st.sampled_from([0, 16, 64])), steps
+
+
+@given(conversations())
+@settings(max_examples=200, deadline=None)
+def test_random_conversations_never_pull_mismatched_tokens(case):
+    threshold, steps = case
+    planner, _ = make(threshold=threshold)
+    history: list[int] = []
+    held: list[int] | None = None
+    for edit, r, new, output in steps:
+        prompt = list(history)
+        if edit == "strip" and prompt:
+            i = r % len(prompt)
+            del prompt[i : i + 1 + r % 7]
+        elif edit == "change" and prompt:
+            prompt[r % len(prompt)] = 31
+        elif edit == "fresh":
+            prompt = []
+        prompt += new
+        plan = planner.plan("c", prompt, ["p0", "p1"], ["d0", "d1"])
+        if plan.action == "pull":
+            assert held is not None
+            m = plan.prefill_params["remote_num_tokens"]
+            assert held[:m] == prompt[:m]
+            assert len(plan.prefill_params["remote_block_ids"][0]) == -(-m // BS)
+            assert plan.pulled_tokens == predicted_pull_tokens(m, len(prompt), plan.local_tokens)
+            assert plan.pulled_tokens >= max(threshold, 1)
+        else:
+            assert plan.prefill_params["remote_block_ids"] is None
+        n = len(prompt) + len(output) - 1
+        planner.decode_answered(plan, d_answer(n), prompt + output)
+        held = (prompt + output)[:n]
+        history = prompt + output
