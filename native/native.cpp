@@ -235,10 +235,98 @@ struct Holder {
     int32_t rank;
 };
 
+// The holders of one block: the first one inline (most blocks have one holder), more on the
+// heap in an array sized to the holders.
+class HolderVec {
+  public:
+    HolderVec() {}
+    HolderVec(const HolderVec&) = delete;
+    HolderVec& operator=(const HolderVec&) = delete;
+    HolderVec(HolderVec&& o) noexcept { take(o); }
+    HolderVec& operator=(HolderVec&& o) noexcept {
+        if (this != &o) {
+            release();
+            take(o);
+        }
+        return *this;
+    }
+    ~HolderVec() { release(); }
+
+    size_t size() const { return n_; }
+    bool empty() const { return n_ == 0; }
+    size_t capacity() const { return cap_; }
+    Holder* begin() { return data(); }
+    Holder* end() { return data() + n_; }
+    const Holder* begin() const { return data(); }
+    const Holder* end() const { return data() + n_; }
+    Holder& operator[](size_t i) { return data()[i]; }
+    const Holder& operator[](size_t i) const { return data()[i]; }
+
+    void push_back(const Holder& h) {
+        if (n_ == cap_) {
+            u32 ncap = cap_ + 1;
+            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * ncap));
+            std::memcpy(m, data(), sizeof(Holder) * n_);
+            if (cap_ > 1) ::operator delete(u_.many);
+            u_.many = m;
+            cap_ = ncap;
+        }
+        data()[n_++] = h;
+    }
+
+    // Remove holder i (order not kept beyond the first), shrinking to fit.
+    void erase(size_t i) {
+        Holder* d = data();
+        for (size_t k = i + 1; k < n_; ++k) d[k - 1] = d[k];
+        --n_;
+        if (cap_ > 1 && n_ <= 1) {
+            Holder keep = n_ ? d[0] : Holder{};
+            ::operator delete(u_.many);
+            u_.one = keep;
+            cap_ = 1;
+        } else if (cap_ > 1 && n_ + 1 < cap_) {
+            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * n_));
+            std::memcpy(m, d, sizeof(Holder) * n_);
+            ::operator delete(u_.many);
+            u_.many = m;
+            cap_ = (u32)n_;
+        }
+    }
+
+    void clear() {
+        release();
+        n_ = 0;
+        cap_ = 1;
+    }
+
+  private:
+    Holder* data() { return cap_ == 1 ? &u_.one : u_.many; }
+    const Holder* data() const { return cap_ == 1 ? &u_.one : u_.many; }
+    void release() {
+        if (cap_ > 1) ::operator delete(u_.many);
+    }
+    void take(HolderVec& o) {
+        n_ = o.n_;
+        cap_ = o.cap_;
+        if (cap_ > 1)
+            u_.many = o.u_.many;
+        else
+            u_.one = o.u_.one;
+        o.n_ = 0;
+        o.cap_ = 1;
+    }
+    u32 n_ = 0, cap_ = 1;
+    union U {
+        Holder one;
+        Holder* many;
+        U() : one() {}
+    } u_;
+};
+
 struct Block {
     u64 rk = 0;
     u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
-    std::vector<Holder> hs;      // shrunk to fit when holders leave
+    HolderVec hs;
 };
 
 struct EngineRef {
@@ -678,7 +766,8 @@ class IndexCore {
         std::shared_lock lk(mu_);
         size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes() +
                    engine_.bytes();
-        for (const Block& blk : blocks_) b += blk.hs.capacity() * sizeof(Holder);
+        for (const Block& blk : blocks_)
+            if (blk.hs.capacity() > 1) b += blk.hs.capacity() * sizeof(Holder);
         for (auto& kv : streams_) b += kv.second.bytes() + 32;
         return b;
     }
@@ -927,7 +1016,7 @@ class IndexCore {
         Block& b = blocks_[i];
         lru_unlink(i);
         rk_map_.erase(b.rk);
-        std::vector<Holder>().swap(b.hs);
+        b.hs.clear();
         free_.push_back(i);
     }
 
@@ -935,12 +1024,9 @@ class IndexCore {
     void erase_holder(u32 bi, size_t h) {
         Block& b = blocks_[bi];
         uint16_t ps = b.hs[h].pod;
-        b.hs.erase(b.hs.begin() + (long)h);
+        b.hs.erase(h);
         if (!has_pod(b, ps)) --pod_blocks_[ps];
-        if (b.hs.empty())
-            free_block(bi);
-        else if (b.hs.capacity() > b.hs.size() + 1)
-            b.hs.shrink_to_fit();
+        if (b.hs.empty()) free_block(bi);
     }
 
     void unref_engine(u64 ek) {
@@ -994,7 +1080,6 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            if (b.hs.size() == b.hs.capacity()) b.hs.reserve(b.hs.size() + 1);
             b.hs.push_back(Holder{ek, bit, ps, rank});
         } else {
             Holder& hd = b.hs[h];
