@@ -138,7 +138,7 @@ class NativeKVBlockIndex:
         rank = _rank(dp_rank)
         with self._lock:
             if token_ids is None or len(token_ids) == 0:
-                done = self._core.store_tokenless(pod, rank, engine_keys, bit)
+                done = _u64(self._core.store_tokenless(pod, rank, engine_keys, bit))
                 if self._spec:
                     self._confirm_many(pod, done)
                 return len(done)
@@ -309,7 +309,7 @@ class NativeKVBlockIndex:
             rows = self._core.pod_masks(keys, mine)
             klist = keys.tolist()
             for pod in mine:
-                row = rows[pod].tolist()
+                row = _u64(rows[pod]).tolist()
                 held = self._held_mask.get(pod)
                 masks: list[int] = []
                 for rk, m in zip(klist, row):
@@ -382,7 +382,7 @@ class NativeKVBlockIndex:
             # the reference's checks and errors (it also takes bools and other int-likes)
             tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
             keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
-        return keys, {pod: (n, w, u) for pod, n, w, u in rows}
+        return _u64(keys), {pod: (n, w, u) for pod, n, w, u in rows}
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
         """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""
@@ -490,9 +490,9 @@ class NativeKVBlockIndex:
                 attached += len(rks)
             else:
                 state = tp._root(it.model, it.lora_name) if prk is None else int(prk)
-                rks = self._core.store_chain(
+                rks = _u64(self._core.store_chain(
                     it.pod, it.dp_rank, it.engine_keys, state, it.token_ids, self._K, self._A, it.tier
-                )
+                ))
                 stored_rks = rks
                 attached += len(rks)
             if self._spec:
@@ -571,6 +571,11 @@ class NativeKVBlockIndex:
                 if mine is not None:
                     mine.discard(rk)
                 self._c["speculative_expired"] += 1
+
+
+def _u64(buf: bytes) -> np.ndarray:
+    """A read-only uint64 array over the compiled core's output bytes."""
+    return np.frombuffer(buf, dtype=np.uint64)
 
 
 def _as_keys(request_keys: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -177,7 +177,8 @@ struct U64View {
 void to_u64(nb::handle obj, U64View& out, const char* what) {
     using Arr = nb::ndarray<const u64, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
     Arr arr;
-    if (nb::try_cast(obj, arr, false)) {
+    // lists and tuples (the events' form) go straight to the sequence path
+    if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr()) && nb::try_cast(obj, arr, false)) {
         out.data = arr.data();
         out.n = arr.shape(0);
         out.owned.clear();
@@ -207,10 +208,10 @@ void to_u64(nb::handle obj, U64View& out, const char* what) {
     out.n = out.owned.size();
 }
 
-nb::ndarray<nb::numpy, u64, nb::ndim<1>> new_u64_array(std::vector<u64>&& v) {
-    auto* heap = new std::vector<u64>(std::move(v));
-    nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<u64>*>(p); });
-    return nb::ndarray<nb::numpy, u64, nb::ndim<1>>(heap->data(), {heap->size()}, owner);
+// uint64 values as native-endian bytes (Python wraps them with numpy.frombuffer: creating a
+// numpy array from C++ through DLPack costs several microseconds, bytes well under one).
+nb::bytes new_u64_array(std::vector<u64>&& v) {
+    return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(u64));
 }
 
 // key_{-1} = state; key_i = A * key_{i-1} + fmix64(sum_t tok[i*bs+t] * K[t] + add_i)
@@ -362,7 +363,7 @@ class IndexCore {
     }
 
     // Chain the request keys of `tokens` from `state` (xxh3_chain) and store them; returns the keys.
-    nb::ndarray<nb::numpy, u64, nb::ndim<1>> store_chain(const std::string& pod, int32_t rank, nb::handle eks_o,
+    nb::bytes store_chain(const std::string& pod, int32_t rank, nb::handle eks_o,
                                                           u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
                                                           u64 bit) {
         U64View eks, toks, K;
@@ -386,7 +387,7 @@ class IndexCore {
 
     // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns the request
     // keys updated (unknown engine keys are counted and skipped).
-    nb::ndarray<nb::numpy, u64, nb::ndim<1>> store_tokenless(const std::string& pod, int32_t rank, nb::handle eks_o,
+    nb::bytes store_tokenless(const std::string& pod, int32_t rank, nb::handle eks_o,
                                                               u64 bit) {
         U64View eks;
         to_u64(eks_o, eks, "engine_keys");
@@ -549,7 +550,7 @@ class IndexCore {
     }
 
     // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call.
-    std::tuple<nb::ndarray<nb::numpy, u64, nb::ndim<1>>, Summary, size_t> match_tokens(
+    std::tuple<nb::bytes, Summary, size_t> match_tokens(
         u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o, std::vector<double> weights,
         bool touch) {
         U64View toks, K;
@@ -1202,7 +1203,7 @@ NB_MODULE(_native, m) {
         nb::arg("state"), nb::arg("tokens"), nb::arg("K"), nb::arg("A"), nb::arg("add").none() = nb::none(),
         "Request keys of the full blocks of ``tokens`` chained from ``state`` (kvindex.keys xxh3_chain):\n"
         "key_i = A * key_{i-1} + fmix64(sum_t tokens[i*bs+t] * K[t] + add[i]), bs = len(K).\n"
-        "Returns a uint64 array of shape (len(tokens) // bs,).");
+        "Returns the keys as native-endian uint64 bytes (numpy.frombuffer(..., numpy.uint64)).");
 
     nb::class_<IndexCore>(m, "IndexCore")
         .def(nb::init<u64, bool>(), nb::arg("capacity"), nb::arg("compat"))
