@@ -293,17 +293,17 @@ class NativeKVBlockIndex:
             return {}
         keys = _as_keys(request_keys)
         if not self._spec_by_pod and not self._held:
-            return self._core.prefix_match(keys, None if pods is None else list(pods), True)
+            return _lists(self._core.prefix_match(keys, None if pods is None else list(pods), True))
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
             # pods with speculative or held entries: walked here, the others in the core
             spec_pods = {p for p, ks in self._spec_by_pod.items() if ks} | self._held.keys()
             if not spec_pods:
-                return self._core.prefix_match(keys, None if pods is None else list(pods), True)
+                return _lists(self._core.prefix_match(keys, None if pods is None else list(pods), True))
             cands = list(dict.fromkeys(self._core.pods() + sorted(spec_pods) if pods is None else pods))
             plain = [p for p in cands if p not in spec_pods]
-            out = self._core.prefix_match(keys, plain, False) if plain else {}
+            out = _lists(self._core.prefix_match(keys, plain, False)) if plain else {}
             longest = max((len(m) for m in out.values()), default=0)
             mine = [p for p in cands if p in spec_pods]
             rows = self._core.pod_masks(keys, mine)
@@ -576,6 +576,11 @@ class NativeKVBlockIndex:
 def _u64(buf: bytes) -> np.ndarray:
     """A read-only uint64 array over the compiled core's output bytes."""
     return np.frombuffer(buf, dtype=np.uint64)
+
+
+def _lists(masks: dict[str, bytes]) -> dict[str, list[int]]:
+    """The core's per-pod mask bytes as lists of ints (numpy's tolist is the fast way)."""
+    return {pod: np.frombuffer(b, dtype=np.uint64).tolist() for pod, b in masks.items()}
 
 
 def _as_keys(request_keys: Sequence[int] | np.ndarray) -> np.ndarray:

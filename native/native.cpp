@@ -490,7 +490,7 @@ class IndexCore {
 
     // Longest consecutive prefix per candidate pod, as tier masks (OR over ranks) per block.
     // pods: list of names, or None = every pod holding blocks.  Refreshes recency of the
-    // longest match.  Returns {pod: [mask, ...]} for pods matching >= 1 block.
+    // longest match.  Returns {pod: masks as uint64 bytes} for pods matching >= 1 block.
     nb::dict prefix_match(nb::handle keys_o, nb::handle pods_o, bool touch) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
@@ -522,11 +522,7 @@ class IndexCore {
             }
         }
         nb::dict out;
-        for (size_t c = 0; c < masks.size(); ++c) {
-            nb::list l;
-            for (u64 m : masks[c]) l.append(nb::int_(m));
-            out[nb::str(matched_names[c].c_str())] = l;
-        }
+        for (size_t c = 0; c < masks.size(); ++c) out[nb::str(matched_names[c].c_str())] = new_u64_array(std::move(masks[c]));
         return out;
     }
 
