@@ -282,3 +282,56 @@ def test_indexer_score_same_on_both_backends(stores, path, extra_tokens, pods, a
     a, b = (ix.score(arg, pods) for ix in ixs)
     assert a == b
     assert ixs[0].index.stats() == ixs[1].index.stats()
+
+
+# -- 5. readers run while writers apply
+
+
+def test_concurrent_readers_and_writers_end_as_the_sequential_reference():
+    """Two writer threads (one per pod, as the pool's shards) and two readers; the end
+    state equals the reference fed the same per-pod event sequences one after the other."""
+    import threading
+
+    ix = NativeKVBlockIndex(U.tp, capacity=10_000)
+    ref = KVBlockIndex(U.tp, capacity=10_000)
+    steps = {
+        pod: [(p, n, k % 3 == 2) for k, (p, n) in enumerate((p, n) for p in range(len(U.paths)) for n in range(1, 7))]
+        for pod in ("a", "b")
+    }
+
+    def apply(index, pod):
+        for p, n, clear in steps[pod]:
+            eks = [U.ek(p, k) for k in range(n)]
+            index.block_stored(pod, 0, eks, None, list(U.tokens(p, 0, n)), "gpu", block_size=BS)
+            if clear:
+                index.block_removed(pod, 0, eks[-1:], "gpu")
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read():
+        try:
+            while not stop.is_set():
+                for p in range(len(U.paths)):
+                    for pod, masks in ix.prefix_match(U.request_keys(p)).items():
+                        assert pod in ("a", "b") and all(masks)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    writers = [threading.Thread(target=apply, args=(ix, pod)) for pod in ("a", "b")]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors
+    for pod in ("a", "b"):
+        apply(ref, pod)
+    for p in range(len(U.paths)):
+        assert ix.prefix_match(U.request_keys(p)) == ref.prefix_match(U.request_keys(p))
+        assert ix.lookup(U.request_keys(p)) == ref.lookup(U.request_keys(p))
+    assert ix.stats() == ref.stats()
+    ix.check()
