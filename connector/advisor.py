@@ -92,16 +92,23 @@ class Advice(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def fit_transfer_cost(nbytes: Sequence[float], seconds: Sequence[float]) -> TransferCost:
-    """Least-squares fit of ``seconds = latency + nbytes / bytes_per_s`` (numpy.polyfit, degree 1).
+    """Fit ``seconds = latency + nbytes / bytes_per_s`` by least squares on relative errors.
+
+    numpy.polyfit of degree 1 with weights ``1 / seconds``, so that small
+    transfers (which carry the latency) count as much as large ones; a
+    negative intercept is clipped to 0.
 
     Raises:
-        ValueError: fewer than two distinct sizes, or a non-positive fitted bandwidth.
+        ValueError: fewer than two distinct sizes, a non-positive time, or a
+            non-positive fitted bandwidth.
     """
     x = np.asarray(nbytes, dtype=float)
     y = np.asarray(seconds, dtype=float)
     if x.shape != y.shape or len(np.unique(x)) < 2:
         raise ValueError("need at least two distinct transfer sizes")
-    slope, intercept = np.polyfit(x, y, 1)
+    if not np.all(y > 0):
+        raise ValueError("transfer times must be > 0")
+    slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
     if not slope > 0:
         raise ValueError(f"fitted time per byte {slope} is not positive")
     return TransferCost(latency_s=max(0.0, float(intercept)), bytes_per_s=float(1.0 / slope))

@@ -26,7 +26,7 @@ import msgspec
 import numpy as np
 
 from indexer.config import Config
-from kvevents.pool import EventPool, PoolStats
+from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.index import IndexStats
 from kvindex.protocol import KVIndex, make_index
@@ -369,6 +369,21 @@ class Indexer:
     def stats(self) -> IndexerStats:
         """Index sizes/counters and write-path counters."""
         return IndexerStats(index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received)
+
+    def completeness(self, pod: str | None = None) -> list[StreamState]:
+        """Per publisher stream (pod, model, DP rank): is the index known to hold exactly its blocks?
+
+        A snapshot, sorted; only ``pod``'s streams when given.  Each
+        :class:`~kvevents.pool.StreamState` says ``complete`` (False after an
+        unrecoverable gap, a dropped message until a replay caught up, a
+        reconnect without replay, a restart or start caught after the
+        engine's seq 0 left its buffer, or a malformed event) and ``since``,
+        the ``time.monotonic()`` of this process when it last became
+        complete.  A pod whose streams are all complete is predicted exactly;
+        an incomplete one may miss blocks it holds (never holds more, when it
+        has a replay endpoint).  See :meth:`kvevents.pool.EventPool.completeness`.
+        """
+        return self.pool.completeness(pod)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued on the write path so far (including the

@@ -9,7 +9,8 @@ index.  Decoders raise :class:`kvevents.wire.PayloadError` and nothing else.
 """
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvevents.pool import EventPool, PoolStats, RawMessage, Source
+from kvevents.pool import EventPool, PoolStats, RawMessage, Source, StreamState
+from kvevents.sequencer import Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvevents.wire import PayloadError, decode_vllm_batch, parse_topic
@@ -24,7 +25,9 @@ __all__ = [
     "PayloadError",
     "PoolStats",
     "RawMessage",
+    "Sequencer",
     "Source",
+    "StreamState",
     "Subscriber",
     "decode_sglang_batch",
     "decode_vllm_batch",

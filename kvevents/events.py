@@ -120,9 +120,13 @@ class EventBatch(msgspec.Struct, frozen=True, gc=False):
             did not send one.
         skipped_events: events of a type this library does not know (a newer
             engine's), left out of ``events``; count them, they are not errors.
+        bad_events: the :class:`~kvevents.wire.PayloadError` kind of each
+            event of a known type that was malformed and left out of
+            ``events`` (the batch's other events are kept, in order); errors.
     """
 
     ts: float
     events: tuple[Event, ...]
     dp_rank: int | None
     skipped_events: int = 0
+    bad_events: tuple[str, ...] = ()

@@ -4,28 +4,27 @@ Write path: subscriber -> :meth:`EventPool.submit` -> shard (stable hash of the
 pod id, so one pod's messages are applied in the order they arrived) ->
 decode (vLLM or SGLang adapter) -> sequence check -> index.
 
-Sequence numbers (vLLM: 8 bytes big-endian, from 0 per publisher process) are
-tracked per stream = (pod, DP rank):
+Streams: one per publisher = (pod, model, DP rank); the pod from the
+subscription or the topic ``kv@<pod>@<model>``, the model from the topic, the
+rank from the batch.  Two models published under one pod id are two streams
+(each with its own seq from 0) whose blocks never touch.
 
-- next expected seq: applied.
-- a gap: the missing range is asked from the engine's replay endpoint (DEALER
-  socket, vLLM's replay protocol; see :mod:`kvevents.replay`) and applied in
-  order, then the message itself unless the replay already covered it.
-- seq at or below the last applied one: a duplicate of a batch a replay
-  already applied (same seq and same engine timestamp) is skipped; anything
-  else means the engine restarted (vLLM restarts seq at 0), so the stream's
-  blocks are cleared from the index and the stream starts over (replaying
-  from 0 what the new process has buffered, when it has a replay endpoint).
-- after the subscriber saw the connection drop and come back: the engine is
-  asked (replay from our last seq) whether it is still the process we knew,
-  before anything else of that stream is applied; without a replay endpoint
-  the stream is cleared (see ``_on_reconnected``).
+Sequence numbers (vLLM: 8 bytes big-endian, from 0 per publisher process):
+every decision (apply, duplicate, stale, gap -> replay from N, partial replay
+-> clear and rebuild, restart -> confirm, then clear and replay, completeness)
+is made by the stream's :class:`~kvevents.sequencer.Sequencer`, a pure state
+machine; the shard only decodes, feeds it, and performs the actions it
+returns (apply a batch, clear the stream, ask the replay endpoint, count).
+See :mod:`kvevents.sequencer` for the rules, including the restart rule (a
+backward seq is a restart only when the engine's replay buffer, or the
+stream's next message, confirms it).
 
 Overflow policy: at most ``queue_size`` messages wait per shard (control items
 such as flush, stop and disconnect notices are never refused).  Beyond that a
-message is dropped, counted in ``dropped_messages``, and its pod
-is marked for resync: once the shard is idle, every stream of that pod with a
-replay endpoint is replayed from its last applied seq.  (A later message of
+message is dropped, counted in ``dropped_messages``, and its pod's streams
+are marked incomplete and for resync: once the shard is idle (or at a flush),
+every such stream with a replay endpoint is replayed from its last applied
+seq + 1, which makes it complete again when the replay covers the range.  (A later message of
 the stream would also reveal the gap.)  Bad input never raises out of a
 worker: it is counted by kind and logged at most once per kind per minute.
 """
@@ -45,11 +44,12 @@ import zmq
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvevents.replay import ReplayClient
+from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
 from kvindex.protocol import KVIndex
 
-__all__ = ["Source", "RawMessage", "PoolStats", "EventPool", "RateLimitedLog"]
+__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
 
 log = logging.getLogger("kvevents.pool")
 
@@ -106,7 +106,14 @@ class PoolStats(msgspec.Struct, frozen=True):
     restarts: engine restarts detected (seq went back); dropped_messages: lost
     to full queues; resyncs: replays started by the overflow policy; orphans:
     blocks that waited for an unknown parent (from the index); queued: messages
-    waiting now.
+    waiting now; stale: live messages skipped because a replay had already
+    moved their stream past a range the engine's buffer no longer held;
+    unconfirmed: messages skipped because the engine did not confirm their
+    seq (a forward jump its buffer does not know, a backward seq its replay
+    buffer contradicts: hostile or corrupt publishers); replay_failures:
+    replays or restart checks that timed out or failed; incomplete_streams:
+    streams whose completeness flag is false now (see
+    :meth:`EventPool.completeness`).
     """
 
     messages: int
@@ -127,6 +134,10 @@ class PoolStats(msgspec.Struct, frozen=True):
     resyncs: int
     orphans: int
     queued: int
+    stale: int = 0
+    unconfirmed: int = 0
+    replay_failures: int = 0
+    incomplete_streams: int = 0
 
 
 class RateLimitedLog:
@@ -154,23 +165,43 @@ class RateLimitedLog:
 
 
 class _Stream:
-    """Sequence state of one publisher stream (pod, DP rank)."""
+    """One publisher stream (pod, model, DP rank): its sequencer plus what the shard needs to act."""
 
-    __slots__ = ("last", "last_ts", "suspect", "replayed", "replay_max", "replay_endpoint", "engine", "model")
+    __slots__ = ("pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why")
 
-    def __init__(self, replay_endpoint: str | None, engine: str, model: str | None = None) -> None:
+    def __init__(self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str) -> None:
+        self.pod = pod
         self.model = model
-        self.last: int | None = None
-        self.last_ts: float | None = None
-        # the publisher's connection dropped since the last applied batch: it
-        # may be a new process whose seq has already passed ours
-        self.suspect = False
-        # seq -> engine ts of batches a replay applied that the live stream
-        # may still deliver; cleared once the live stream is past them
-        self.replayed: dict[int, float] = {}
-        self.replay_max = -1
+        self.rank = rank
         self.replay_endpoint = replay_endpoint
         self.engine = engine
+        self.seq = Sequencer(replay_endpoint is not None)
+        self.complete_since: float | None = None  # monotonic time it last became complete
+        self.why = "no batch yet"
+
+
+class StreamState(NamedTuple):
+    """Completeness of one publisher stream (a snapshot; see :meth:`EventPool.completeness`).
+
+    pod, model, dp_rank: the publisher (model None when its topic names none).
+    complete: the index holds exactly what the engine held as of ``last_seq``
+        and nothing since is known to be lost.  False after an unrecoverable
+        gap, a dropped message (until a replay catches up), a reconnect
+        without replay, a restart or a start caught after the engine's seq 0
+        was gone, or a malformed event.
+    since: ``time.monotonic()`` of this process when it last became
+        complete; None if it never was.
+    last_seq: last applied seq (None before the first batch or after a clear).
+    why: what last changed the flag (free text, for logs and explanations).
+    """
+
+    pod: str
+    model: str | None
+    dp_rank: int
+    complete: bool
+    since: float | None
+    last_seq: int | None
+    why: str
 
 
 class _Flush(NamedTuple):
@@ -204,7 +235,7 @@ class _Counters:
     __slots__ = (
         "messages", "batches", "events", "blocks_stored", "blocks_removed", "clears",
         "decode_errors", "gaps", "gaps_unrecovered", "replay_requests", "replayed_batches",
-        "duplicates", "restarts", "resyncs", "errors_by_kind",
+        "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "errors_by_kind",
     )
 
     def __init__(self) -> None:
@@ -214,7 +245,11 @@ class _Counters:
 
 
 class _Shard:
-    """One worker thread with its queue, stream states and replay sockets."""
+    """One worker thread with its queue, stream sequencers and replay sockets: a thin executor.
+
+    Every sequencing decision is the :class:`~kvevents.sequencer.Sequencer`'s;
+    the shard decodes, feeds it, and performs the actions it returns.
+    """
 
     def __init__(self, pool: EventPool, n: int) -> None:
         self.pool = pool
@@ -224,9 +259,10 @@ class _Shard:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # messages queued, guarded by pending_lock
         self.pending_lock = threading.Lock()
-        self.streams: dict[tuple[str, int], _Stream] = {}
+        self.streams: dict[tuple[str, str | None, int], _Stream] = {}
         self.c = _Counters()
-        self.resync: set[str] = set()
+        self.resync: set[str] = set()  # pods that lost a message to a full queue
+        self.resync_due: set[tuple[str, str | None, int]] = set()
         self.replay = ReplayClient(
             pool.zmq_context, timeout=pool.replay_timeout, on_error=self._error, max_batches=pool.replay_max_batches
         )
@@ -250,10 +286,12 @@ class _Shard:
     def run(self) -> None:
         try:
             while True:
+                if self.resync:
+                    self._guarded(self._note_drops)
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
-                    if self.resync:
+                    if self.resync_due:
                         self._guarded(self._resync)
                     continue
                 if item is _STOP:
@@ -276,48 +314,57 @@ class _Shard:
         if isinstance(item, RawMessage):
             self._on_message(item)
         elif isinstance(item, _Flush):
-            if self.resync:
+            self._note_drops()
+            if self.resync_due:
                 self._resync()
             item.done.set()
         elif isinstance(item, _Bootstrap):
             self._bootstrap(item)
         elif isinstance(item, _Disconnected):
-            st = self.streams.get((item.pod, item.dp_rank))
-            if st is not None and st.last is not None:
-                st.suspect = True
+            for st in self._streams_of(item.pod, item.dp_rank):
+                self._run(st, st.seq.disconnected())
         elif isinstance(item, _Reconnected):
-            self._on_reconnected(item.pod, item.dp_rank)
+            for st in self._streams_of(item.pod, item.dp_rank):
+                self._run(st, st.seq.reconnected())
         elif isinstance(item, _Forget):
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
+                self.resync_due.discard(key)
             self.pool.index.clear(item.pod)
+
+    def _streams_of(self, pod: str, rank: int | None = None) -> list[_Stream]:
+        return [st for st in self.streams.values() if st.pod == pod and (rank is None or st.rank == rank)]
+
+    def _stream(self, pod: str, model: str | None, rank: int, source: Source) -> _Stream:
+        key = (pod, model, rank)
+        st = self.streams.get(key)
+        if st is None:
+            st = self.streams[key] = _Stream(pod, model, rank, source.replay_endpoint(pod, rank), source.engine)
+        return st
 
     # -- messages
 
     def _on_message(self, msg: RawMessage) -> None:
-        c = self.c
-        c.messages += 1
+        self.c.messages += 1
         pod, model = self.pool.route(msg.source, msg.topic)
         if pod is None:
             self._error("topic", "message with unparseable topic and no configured pod")
             return
-        decoded = self._decode(msg.source, msg.seq, msg.payload)
+        decoded = self._decode(msg.source.engine, msg.seq, msg.payload)
         if decoded is None:
-            return
+            return  # an unreadable message moves no sequence (see Sequencer.live)
         seq, batch = decoded
         if seq == REPLAY_END_SEQ:
             self._error("seq", "live message carries the replay end-marker seq")
             return
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
-        st = self.streams.get((pod, rank))
-        if st is None:
-            st = self.streams[(pod, rank)] = _Stream(msg.source.replay_endpoint(pod, rank), msg.source.engine, model)
-        self._sequence(st, msg.source, pod, rank, model, seq, batch)
+        st = self._stream(pod, model, rank, msg.source)
+        self._run(st, st.seq.live(_as_batch(seq, batch)))
 
-    def _decode(self, source: Source, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
-        decoder = DECODERS.get(source.engine)
+    def _decode(self, engine: str, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
+        decoder = DECODERS.get(engine)
         if decoder is None:
-            self._error("engine", f"unknown engine format {source.engine!r}")
+            self._error("engine", f"unknown engine format {engine!r}")
             return None
         try:
             return decode_seq(seq_frame), decoder(payload)
@@ -325,105 +372,35 @@ class _Shard:
             self._error(exc.kind, f"bad payload ({exc.kind}): {exc}")
             return None
 
-    def _sequence(
-        self, st: _Stream, source: Source, pod: str, rank: int, model: str | None, seq: int, batch: EventBatch
-    ) -> None:
+    # -- the executor
+
+    def _run(self, st: _Stream, actions: list[Action]) -> None:
+        """Perform a sequencer's actions in order (replays and checks feed their answers back)."""
         c = self.c
-        if st.suspect:
-            st.suspect = False
-            if seq != st.last + 1 and not self._same_process(st, pod, rank):
-                self._restarted(st, pod, rank, f"seq {seq} after {st.last}, following a disconnect")
-        if st.last is not None and seq <= st.last:
-            if st.replayed.get(seq) == batch.ts:
-                c.duplicates += 1
-                return
-            # the publisher went back: a new engine process
-            self._restarted(st, pod, rank, f"seq {seq} after {st.last}")
-        gap = False
-        if st.last is None:
-            if seq > 0 and st.replay_endpoint is not None:
-                # joined late or missed the first messages: take what the engine still buffers
-                self._replay(st, pod, rank, model, 0)
-        elif seq > st.last + 1:
-            c.gaps += 1
-            gap = True
-            if st.replay_endpoint is not None:
-                self._replay(st, pod, rank, model, st.last + 1)
-        if st.last is not None:
-            if seq <= st.last:  # a replay already applied it
-                c.duplicates += 1
-                return
-            if gap and seq > st.last + 1:
-                c.gaps_unrecovered += 1
-                self.pool.rlog.warn("gap", "pod %s rank %s: seq %s..%s lost", pod, rank, st.last + 1, seq - 1)
-        self._apply(st, pod, rank, model, seq, batch)
-        if st.replayed and seq > st.replay_max:
-            st.replayed.clear()  # the live stream is past everything a replay applied
+        for a in actions:
+            t = type(a)
+            if t is Apply:
+                self._apply(st, a.batch.body)
+            elif t is Count:
+                setattr(c, a.name, getattr(c, a.name) + a.n)
+            elif t is Clear:
+                self.pool.rlog.warn(
+                    "clear", "pod %s model %s rank %s: clearing (%s)", st.pod, st.model, st.rank, a.why
+                )
+                self.pool.index.clear(st.pod, st.rank, model=st.model)
+            elif t is Complete:
+                st.why = a.why
+                if a.complete:
+                    st.complete_since = time.monotonic()
+            elif t is Replay:
+                self._replay(st, a.start)
+            elif t is Confirm:
+                self._run(st, st.seq.confirmed(self._same_process(st, a.seq)))
 
-    def _on_reconnected(self, pod: str, rank: int) -> None:
-        """The publisher is reachable again after a disconnect: check it before any message does.
-
-        Without this, a restarted engine that has not published yet would
-        keep its predecessor's blocks in the index until its first message.
-        Without a replay endpoint the stream is cleared: it cannot be told
-        from a restart (configure replay endpoints to keep the index across
-        network blips).
-        """
-        st = self.streams.get((pod, rank))
-        if st is None or not st.suspect:
-            return
-        st.suspect = False
-        if st.replay_endpoint is None:
-            # nothing to verify against: a restarted engine has an empty cache, so
-            # forget the pod rather than predict blocks it may no longer hold
-            self._restarted(st, pod, rank, "reconnected; no replay endpoint to verify it is the same process")
-        elif not self._same_process(st, pod, rank):
-            self._restarted(st, pod, rank, "a different process answered after a reconnect")
-            self._replay(st, pod, rank, st.model, 0)
-
-    def _restarted(self, st: _Stream, pod: str, rank: int, why: str) -> None:
-        """A new engine process: forget the stream's blocks and sequence."""
-        self.c.restarts += 1
-        self.pool.rlog.warn("restart", "pod %s rank %s restarted (%s); clearing", pod, rank, why)
-        self.pool.index.clear(pod, rank)
-        st.last = st.last_ts = None
-        st.replayed.clear()
-
-    def _same_process(self, st: _Stream, pod: str, rank: int) -> bool:
-        """After a disconnect, is the publisher still the process whose batch ``st.last`` we applied?
-
-        With a replay endpoint: ask for batches from ``st.last``; the same
-        process still has that batch with the same engine timestamp (unless
-        over ``buffer_steps`` batches went by, which is treated as a restart:
-        too much was missed to trust the stream).  Without one: only a
-        message that continues the sequence exactly counts as the same process.
-        """
-        if st.replay_endpoint is None:
-            return False
-        self.c.replay_requests += 1
-        try:
-            for _topic, seq_frame, payload in self.replay.request(st.replay_endpoint, st.last):
-                decoded = self._decode(Source(pod=pod, engine=st.engine, dp_rank=rank), seq_frame, payload)
-                if decoded is None:
-                    continue
-                r_seq, r_batch = decoded
-                if r_batch.dp_rank is not None and r_batch.dp_rank != rank:
-                    continue
-                # only the first batch matters; closing the generator discards the rest
-                return r_seq == st.last and r_batch.ts == st.last_ts
-            return False
-        except TimeoutError:
-            self._error("replay_timeout", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} timed out")
-            return False  # unverifiable: forget rather than predict blocks the engine may not hold
-        except (ValueError, zmq.ZMQError) as exc:
-            self._error("replay", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} failed: {exc}")
-            return False
-
-    def _apply(self, st: _Stream, pod: str, rank: int, model: str | None, seq: int, batch: EventBatch) -> None:
+    def _apply(self, st: _Stream, batch: EventBatch) -> None:
         c = self.c
         index = self.pool.index
-        st.last = seq
-        st.last_ts = batch.ts
+        pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
         for ev in batch.events:
             c.events += 1
@@ -435,10 +412,10 @@ class _Shard:
                     )
                     c.blocks_stored += len(ev.block_hashes)
                 elif type(ev) is BlockRemoved:
-                    index.block_removed(pod, rank, ev.block_hashes, ev.tier)
+                    index.block_removed(pod, rank, ev.block_hashes, ev.tier, model=model)
                     c.blocks_removed += len(ev.block_hashes)
                 elif type(ev) is AllBlocksCleared:
-                    index.clear(pod, rank)
+                    index.clear(pod, rank, model=model)
                     c.clears += 1
             except (ValueError, TypeError) as exc:
                 self._error("apply", f"pod {pod}: event not applied: {exc}")
@@ -447,65 +424,121 @@ class _Shard:
                 "unknown_event", f"pod {pod}: {batch.skipped_events} event(s) of an unknown type skipped",
                 batch.skipped_events,
             )
+        for kind in batch.bad_events:
+            self._error(kind, f"pod {pod}: a malformed event ({kind}) was left out of its batch")
 
     # -- replay
 
-    def _replay(self, st: _Stream, pod: str, rank: int, model: str | None, start: int) -> None:
-        """Ask the stream's engine for its batches from ``start`` on and apply the ones not yet applied."""
-        c = self.c
-        c.replay_requests += 1
-        source = Source(pod=pod, engine=st.engine, dp_rank=rank, model=model)
+    def _replay_items(self, st: _Stream, start: int) -> Iterator[tuple[int, EventBatch | None]]:
+        """(seq, batch or None when unreadable) of the engine's buffered batches from ``start``."""
+        for _topic, seq_frame, payload in self.replay.request(st.replay_endpoint, start):
+            try:
+                seq = decode_seq(seq_frame)
+            except PayloadError as exc:
+                self._error(exc.kind, f"replay: {exc}")
+                continue
+            decoded = self._decode(st.engine, seq_frame, payload)
+            if decoded is None:
+                yield seq, None
+                continue
+            batch = decoded[1]
+            if batch.dp_rank is not None and batch.dp_rank != st.rank:
+                continue
+            yield seq, batch
+
+    def _replay(self, st: _Stream, start: int) -> None:
+        """Ask the stream's engine for its batches from ``start``; feed them and the end to the sequencer."""
+        ok = False
         try:
-            for topic, seq_frame, payload in self.replay.request(st.replay_endpoint, start):
-                r_model = model
-                if topic is not None:
-                    # the replay endpoint is this stream's publisher's own, whatever its topic says
-                    r_model = parse_topic(topic)[1] or model
-                decoded = self._decode(source, seq_frame, payload)
-                if decoded is None:
-                    continue
-                seq, batch = decoded
-                if batch.dp_rank is not None and batch.dp_rank != rank:
-                    continue
-                c.replayed_batches += 1
-                if st.last is not None:
-                    if seq <= st.last:
-                        continue
-                    if seq > st.last + 1:
-                        c.gaps_unrecovered += 1  # the engine's buffer no longer holds them
-                st.replayed[seq] = batch.ts
-                st.replay_max = max(st.replay_max, seq)
-                self._apply(st, pod, rank, r_model, seq, batch)
+            for seq, batch in self._replay_items(st, start):
+                self._run(st, st.seq.replayed(None if batch is None else _as_batch(seq, batch), seq))
+            ok = True
         except TimeoutError:
-            self._error("replay_timeout", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} timed out")
+            self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")
         except (ValueError, zmq.ZMQError) as exc:
-            self._error("replay", f"pod {pod} rank {rank}: replay from {st.replay_endpoint} failed: {exc}")
+            self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
+        self._run(st, st.seq.replay_end(ok))
+
+    def _same_process(self, st: _Stream, seq: int) -> bool | None:
+        """Is the publisher still the process whose batch ``seq`` we applied?
+
+        Asks the replay endpoint for batches from ``seq``: the same process
+        still has that batch with the same engine timestamp (a process that
+        moved more than its buffer past it answers no: too much was missed to
+        trust the stream).  None when the endpoint could not be asked.
+        """
+        if st.replay_endpoint is None:
+            return None
+        try:
+            for r_seq, r_batch in self._replay_items(st, seq):
+                if r_batch is None:
+                    return False
+                # only the first batch matters; closing the generator discards the rest
+                return r_seq == seq and r_batch.ts == st.seq.last_ts
+            return False
+        except TimeoutError:
+            self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")
+            return None
+        except (ValueError, zmq.ZMQError) as exc:
+            self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
+            return None
 
     def _bootstrap(self, item: _Bootstrap) -> None:
-        key = (item.pod, item.dp_rank)
-        st = self.streams.get(key)
-        if st is None:
-            st = self.streams[key] = _Stream(
-                item.source.replay_endpoint(item.pod, item.dp_rank), item.source.engine, item.source.model
-            )
-        if st.replay_endpoint is None:
+        """Rebuild a publisher's stream from its replay buffer when the subscriber first connects.
+
+        The stream is keyed by the model its topic names (as its live
+        messages will be), so the first buffered batch is fetched first to
+        learn it; an empty buffer leaves the stream to the first live message.
+        """
+        src = item.source
+        endpoint = src.replay_endpoint(item.pod, item.dp_rank)
+        if endpoint is None:
             return
-        self._replay(st, item.pod, item.dp_rank, item.source.model, 0 if st.last is None else st.last + 1)
+        model = src.model
+        try:
+            for topic, _seq, _payload in self.replay.request(endpoint, 0):
+                if topic is not None:
+                    model = parse_topic(topic)[1] or model
+                break  # closing the request discards the rest
+            else:
+                return
+        except TimeoutError:
+            self._error("replay_timeout", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} timed out")
+            return
+        except (ValueError, zmq.ZMQError) as exc:
+            self._error("replay", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} failed: {exc}")
+            return
+        st = self._stream(item.pod, model, item.dp_rank, src)
+        self._run(st, st.seq.bootstrap())
+
+    def _note_drops(self) -> None:
+        """Streams of pods that lost a message to a full queue: incomplete now, replayed when idle."""
+        pods, self.resync = self.resync, set()
+        for key, st in self.streams.items():
+            if st.pod in pods:
+                self._run(st, st.seq.dropped())
+                self.resync_due.add(key)
 
     def _resync(self) -> None:
-        pods, self.resync = self.resync, set()
-        for (pod, rank), st in list(self.streams.items()):
-            if pod in pods and st.replay_endpoint is not None:
-                self.c.resyncs += 1
-                start = 0 if st.last is None else st.last + 1
-                if start < REPLAY_END_SEQ:
-                    self._replay(st, pod, rank, st.model, start)
+        keys, self.resync_due = self.resync_due, set()
+        for key in keys:
+            st = self.streams.get(key)
+            if st is not None:
+                self._run(st, st.seq.idle())
 
     def _error(self, kind: str, msg: str, n: int = 1) -> None:
         c = self.c
         c.decode_errors += n
         c.errors_by_kind[kind] = c.errors_by_kind.get(kind, 0) + n
         self.pool.rlog.warn(kind, "kvevents: %s", msg)
+
+
+def _as_batch(seq: int, batch: EventBatch) -> Batch:
+    """The sequencer's view of a decoded batch."""
+    return Batch(
+        seq, batch.ts, resets=any(type(e) is AllBlocksCleared for e in batch.events),
+        lossy=bool(batch.bad_events), body=batch,
+    )
 
 
 class EventPool:
@@ -705,10 +738,30 @@ class EventPool:
             dropped_messages=dropped,
             orphans=self.index.stats().orphans,
             queued=queued,
+            incomplete_streams=sum(1 for s in self.completeness() if not s.complete),
         )
 
     def streams(self) -> Iterator[tuple[str, int, int | None]]:
         """(pod, dp_rank, last applied seq) for every stream seen (a snapshot)."""
         for s in self._shards:
-            for (pod, rank), st in list(s.streams.items()):
-                yield pod, rank, st.last
+            for st in list(s.streams.values()):
+                yield st.pod, st.rank, st.seq.last
+
+    def completeness(self, pod: str | None = None) -> list[StreamState]:
+        """Whether the index is known to hold exactly each publisher stream's blocks (a snapshot).
+
+        One :class:`StreamState` per stream (pod, model, DP rank) seen,
+        sorted; only ``pod``'s when given.  A stream is complete when the
+        blocks applied equal the engine's as of its last applied seq and no
+        message since is known to be lost (see :mod:`kvevents.sequencer` for
+        what clears and sets the flag).  ``since`` is this process's
+        ``time.monotonic()`` when it last became complete.
+        """
+        out: list[StreamState] = []
+        for s in self._shards:
+            for st in list(s.streams.values()):
+                if pod is None or st.pod == pod:
+                    sq = st.seq
+                    out.append(StreamState(st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why))
+        out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
+        return out

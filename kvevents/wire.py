@@ -30,7 +30,11 @@ union, and only if both fail event by event (``msgspec.Raw``), which also
 handles a batch mixing both forms and events of a type this library does not
 know (skipped and counted in ``EventBatch.skipped_events``).
 
-Errors: every decoder here raises :class:`PayloadError` and nothing else.
+Errors: every decoder here raises :class:`PayloadError` and nothing else, for
+a payload that is not a batch at all.  One malformed event inside a valid
+batch does not fail the batch: it is left out, its error kind is listed in
+``EventBatch.bad_events``, and the batch's other events are kept in order (a
+valid BlockRemoved beside a broken BlockStored must still apply).
 """
 
 from __future__ import annotations
@@ -352,12 +356,25 @@ class _EventCodec:
             raise PayloadError("msgpack", str(e)) from None
         return self._build(b.ts, b.events, b.rank, 0)
 
-    def _build(self, ts: float, wire_events: list[Any], rank: int | None, skipped: int) -> EventBatch:
+    def _build(
+        self, ts: float, wire_events: list[Any], rank: int | None, skipped: int, bad: list[str] | None = None
+    ) -> EventBatch:
         if not math.isfinite(ts):
             raise PayloadError("ts", f"batch timestamp {ts}")
         conv = self._convert
-        events = tuple([conv[type(ev)](ev) for ev in wire_events])
-        return EventBatch(ts, events, rank, skipped)
+        try:
+            events = tuple([conv[type(ev)](ev) for ev in wire_events])
+        except PayloadError:
+            # one event is malformed: convert one by one, keep the valid ones in order
+            kept: list[Event] = []
+            bad = list(bad or ())
+            for ev in wire_events:
+                try:
+                    kept.append(conv[type(ev)](ev))
+                except PayloadError as e:
+                    bad.append(e.kind)
+            events = tuple(kept)
+        return EventBatch(ts, events, rank, skipped, tuple(bad) if bad else ())
 
     def _decode_per_event(self, payload: bytes) -> EventBatch:
         try:
@@ -368,13 +385,18 @@ class _EventCodec:
             raise PayloadError("msgpack", str(e)) from None
         wire: list[Any] = []
         skipped = 0
+        bad: list[str] = []
         for raw in rb.events:
-            ev = self._one(raw)
+            try:
+                ev = self._one(raw)
+            except PayloadError as e:  # one malformed event: the others still apply
+                bad.append(e.kind)
+                continue
             if ev is None:
                 skipped += 1
             else:
                 wire.append(ev)
-        return self._build(rb.ts, wire, rb.rank, skipped)
+        return self._build(rb.ts, wire, rb.rank, skipped, bad)
 
     def _one(self, raw: msgspec.Raw) -> Any:
         """One raw event -> wire struct, or None for an unknown event type."""

@@ -47,10 +47,10 @@ from typing import NamedTuple
 import msgspec
 from sortedcontainers import SortedList
 
-from kvindex.keys import TokenProcessor, extra_keys_from_event
+from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
 from kvindex.tiers import GPU, tier_bit, tier_names
 
-__all__ = ["PodEntry", "IndexStats", "KVBlockIndex"]
+__all__ = ["ALL_MODELS", "PodEntry", "IndexStats", "KVBlockIndex"]
 
 _GPU_BIT = tier_bit(GPU)
 
@@ -105,7 +105,7 @@ class IndexStats(msgspec.Struct, frozen=True):
 
 
 class _PodBlock:
-    """A pod's copy of one block: per DP rank [tier mask, engine key]; mask = OR."""
+    """A pod's copy of one block: per DP rank [tier mask, engine key, model]; mask = OR."""
 
     __slots__ = ("mask", "ranks")
 
@@ -132,7 +132,18 @@ class _Orphan(NamedTuple):
     removed: set[int]  # engine keys a BlockRemoved took away while waiting
 
 
-_Stream = tuple[str, int]
+_Stream = tuple[str, int, "str | None"]  # (pod, DP rank, model): one publisher
+
+
+class _AllModels:
+    """Type of :data:`ALL_MODELS`."""
+
+    def __repr__(self) -> str:
+        return "ALL_MODELS"
+
+
+#: ``clear(pod, rank, model=ALL_MODELS)`` (the default) clears every model's stream.
+ALL_MODELS = _AllModels()
 
 
 class KVBlockIndex:
@@ -175,22 +186,28 @@ class KVBlockIndex:
         self._blocks: OrderedDict[int, dict[str, _PodBlock]] = OrderedDict()
         # the same masks by pod: pod -> request key -> tier mask (OR over ranks), for the read path
         self._pod_masks: dict[str, dict[int, int]] = {}
-        # pod -> one bit (assigned on first sight, never reused); request key ->
-        # OR of the bits of the pods holding it; pod -> its keys held in
-        # anything but gpu alone (0: every mask of that pod is the gpu bit)
+        # pod -> one bit (assigned while the pod holds a key, freed for reuse when
+        # it holds none); request key -> OR of the bits of the pods holding it;
+        # pod -> its keys held in anything but gpu alone (0: every mask of that
+        # pod is the gpu bit)
         self._pod_bits: dict[str, int] = {}
+        self._free_bits: list[int] = []
         self._holders: dict[int, int] = {}
         self._mixed: dict[str, int] = {}
-        # level 2: engine key -> [request key, number of (pod, rank) holders]
-        self._engine: dict[int, list[int]] = {}
-        # reverse: (pod, rank) -> engine key -> request key
+        # level 2, per model (engines do not put the model in their hashes):
+        # model -> engine key -> [request key, number of (pod, rank) holders]
+        self._engine: dict[str | None, dict[int, list[int]]] = {}
+        # reverse: (pod, rank, model) -> engine key -> request key
         self._streams: dict[_Stream, dict[int, int]] = {}
-        # orphans: unknown parent engine key -> waiting stores
-        self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
+        # orphans: (model, unknown parent engine key) -> waiting stores
+        # keyed by (model, parent engine key): engines do not hash the model, so only a parent
+        # stored under the same model may release a waiting store
+        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
         self._orphan_blocks = 0
         self._models: set[str | None] = set()  # models named by stored events (key scopes)
-        # (pod, rank, engine key) -> the waiting store holding that block
-        self._orphan_by_ek: dict[tuple[str, int, int], _Orphan] = {}
+        # (pod, rank, model, engine key) -> the waiting stores holding that block
+        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
+        self._maybe_empty: set[_Stream] = set()  # stream maps that may have emptied
         # speculative: request key -> pod -> expiry; expiry order
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_order: SortedList = SortedList()
@@ -263,7 +280,10 @@ class KVBlockIndex:
         bit = tier_bit(tier)
         with self._lock:
             if not token_ids:
-                return self._store_tokenless(pod, dp_rank, engine_keys, bit)
+                n = self._store_tokenless(pod, dp_rank, engine_keys, bit, model)
+                if self._maybe_empty:
+                    self._prune_streams()
+                return n
             if block_size is not None and block_size != self.block_size:
                 raise ValueError(
                     f"event block_size {block_size} != index block_size {self.block_size}"
@@ -275,67 +295,86 @@ class KVBlockIndex:
             if model not in self._models:
                 self._models.add(model)
             extras = extra_keys_from_event(extra_keys, lora_name)
+            if lora_name is None and extra_keys:
+                lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
             if extras is not None:
                 if len(extras) != len(engine_keys):
                     raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
                 if all(e is None for e in extras):
                     extras = None
             if self._compat:
+                stream = self._stream(pod, dp_rank, model)
                 for ek in engine_keys:
-                    self._put(pod, dp_rank, ek, ek, bit)
-                return len(engine_keys)
-            item = _Orphan(pod, dp_rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
-            if parent_engine_key is None:
-                return self._attach(item, None)
-            parent_rk = self._resolve(pod, dp_rank, parent_engine_key)
-            if parent_rk is None:
-                self._add_orphan(parent_engine_key, item)
-                return 0
-            return self._attach(item, parent_rk)
+                    self._put(pod, dp_rank, ek, ek, bit, model, stream)
+                n = len(engine_keys)
+            else:
+                item = _Orphan(pod, dp_rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
+                parent_rk = None if parent_engine_key is None else self._resolve(pod, dp_rank, parent_engine_key, model)
+                if parent_engine_key is not None and parent_rk is None:
+                    self._add_orphan(parent_engine_key, item)
+                    n = 0
+                else:
+                    n = self._attach(item, parent_rk)
+            if self._maybe_empty:
+                self._prune_streams()
+            return n
 
-    def block_removed(self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str) -> int:
-        """Apply one BlockRemoved: drop ``tier`` from the pod's (rank's) copies.
+    def block_removed(
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+    ) -> int:
+        """Apply one BlockRemoved: drop ``tier`` from the copies of publisher (pod, rank, model).
 
         Mirrors vllm/distributed/kv_events.py BlockRemoved (vLLM 0.32).
         Unknown engine keys are counted (``unknown_removals``) and skipped.
+        A block still waiting for its parent is removed from every waiting
+        store of that publisher that holds it (it is never attached later).
         Returns the number of tier copies removed.
         """
         bit = tier_bit(tier)
         removed = 0
         with self._lock:
-            stream = self._streams.get((pod, dp_rank))
+            stream = self._streams.get((pod, dp_rank, model))
             for ek in engine_keys:
                 rk = stream.get(ek) if stream is not None else None
-                if rk is None:
-                    waiting = self._orphan_by_ek.get((pod, dp_rank, ek)) if self._orphan_by_ek else None
-                    if waiting is not None and waiting.tier & bit and ek not in waiting.removed:
-                        waiting.removed.add(ek)  # never attach a block the engine dropped meanwhile
-                        removed += 1
-                    else:
-                        self._c["unknown_removals"] += 1
-                    continue
-                if self._drop_copy(pod, dp_rank, ek, rk, bit):
+                hit = rk is not None and self._drop_copy(pod, dp_rank, ek, rk, bit)
+                # the same block may also wait in a store whose parent is unknown (e.g. its cpu copy
+                # was attached through another pod's key while its gpu store waits): drop it there too
+                waiting = self._orphan_by_ek.get((pod, dp_rank, model, ek)) if self._orphan_by_ek else None
+                for w in waiting or ():
+                    if w.tier & bit and ek not in w.removed:
+                        w.removed.add(ek)  # never attach a block the engine dropped meanwhile
+                        hit = True
+                if hit:
                     removed += 1
                 else:
                     self._c["unknown_removals"] += 1
             self._c["removed_blocks"] += removed
+            if self._maybe_empty:
+                self._prune_streams()
         return removed
 
-    def clear(self, pod: str, dp_rank: int | None = None) -> int:
-        """Forget everything ``pod`` holds (only DP rank ``dp_rank`` if given).
+    def clear(self, pod: str, dp_rank: int | None = None, *, model: str | None | _AllModels = ALL_MODELS) -> int:
+        """Forget everything ``pod`` holds (only DP rank ``dp_rank`` if given, only ``model``'s if given).
 
         Used for AllBlocksCleared, engine restart (sequence back to 0) and pod
-        removal.  Costs O(keys of that pod).  Also drops the pod's orphans and,
-        when ``dp_rank`` is None, its speculative entries.  Returns the number
-        of (request key, rank) entries removed.
+        removal; a publisher is (pod, rank, model), so an engine serving one
+        model never clears another model's blocks on the same pod.  Costs
+        O(keys of that pod).  Also drops the pod's orphans and, when
+        ``dp_rank`` is None and ``model`` is ALL_MODELS, its speculative
+        entries.  Returns the number of (request key, rank) entries removed.
         """
         n = 0
+        every = model is ALL_MODELS
         with self._lock:
-            streams = [s for s in self._streams if s[0] == pod and (dp_rank is None or s[1] == dp_rank)]
+            streams = [
+                s for s in self._streams
+                if s[0] == pod and (dp_rank is None or s[1] == dp_rank) and (every or s[2] == model)
+            ]
             for stream in streams:
                 emap = self._streams.pop(stream)
+                self._maybe_empty.discard(stream)
                 for ek, rk in emap.items():
-                    self._unref_engine(ek)
+                    self._unref_engine(ek, stream[2])
                     pods = self._blocks.get(rk)
                     pb = pods.get(pod) if pods is not None else None
                     if pb is None or pb.ranks.pop(stream[1], None) is None:
@@ -349,8 +388,8 @@ class KVBlockIndex:
                         self._drop_pod_mask(pod, rk)
                         if not pods:
                             del self._blocks[rk]
-            self._drop_orphans_of(pod, dp_rank)
-            if dp_rank is None:
+            self._drop_orphans_of(pod, dp_rank, model)
+            if dp_rank is None and every:
                 held = self._held.pop(pod, None)
                 self._held_mask.pop(pod, None)
                 n += len(held or ())
@@ -573,7 +612,7 @@ class KVBlockIndex:
                 rk = int(rk)
                 entries: list[PodEntry] = []
                 for pod, pb in (self._blocks.get(rk) or {}).items():
-                    for rank, (mask, _ek) in pb.ranks.items():
+                    for rank, (mask, _ek, _m) in pb.ranks.items():
                         entries.extend(PodEntry(pod, t, rank) for t in tier_names(mask))
                 for pod, hm in self._held_mask.items():
                     if rk in hm:
@@ -604,14 +643,24 @@ class KVBlockIndex:
                 best = min(alive)
             return best
 
-    def request_key_of(self, engine_key: int) -> int | None:
-        """Level 2: the request key an engine key maps to (None if unknown)."""
-        if self._compat:
-            with self._lock:
-                return engine_key if any(engine_key in m for m in self._streams.values()) else None
+    def request_key_of(self, engine_key: int, model: str | None | _AllModels = ALL_MODELS) -> int | None:
+        """Level 2: the request key an engine key maps to under ``model`` (None if unknown).
+
+        Level 2 is scoped by model (engines do not hash the model name, so
+        two models' same tokens have the same engine key); with ALL_MODELS
+        (the default) the first model knowing the key answers.
+        """
         with self._lock:
-            v = self._engine.get(engine_key)
-            return v[0] if v is not None else None
+            if self._compat:
+                return engine_key if any(
+                    engine_key in m for s, m in self._streams.items() if model is ALL_MODELS or s[2] == model
+                ) else None
+            for m, emap in self._engine.items():
+                if model is ALL_MODELS or m == model:
+                    v = emap.get(engine_key)
+                    if v is not None:
+                        return v[0]
+            return None
 
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
@@ -624,7 +673,7 @@ class KVBlockIndex:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
         with self._lock:
             out: set[int] = set()
-            for (p, r), emap in self._streams.items():
+            for (p, r, _m), emap in self._streams.items():
                 if p == pod and (dp_rank is None or r == dp_rank):
                     out.update(emap.values())
             return out
@@ -643,7 +692,10 @@ class KVBlockIndex:
             return IndexStats(
                 keys=len(self._blocks),
                 entries=sum(len(m) for m in self._streams.values()),
-                engine_keys=len(self._engine) if not self._compat else sum(len(m) for m in self._streams.values()),
+                engine_keys=(
+                    sum(len(m) for m in self._engine.values()) if not self._compat
+                    else sum(len(m) for m in self._streams.values())
+                ),
                 pods=len({s[0] for s, m in self._streams.items() if m}),
                 orphan_blocks=self._orphan_blocks,
                 speculative=sum(len(h) for h in self._spec.values()),
@@ -652,13 +704,14 @@ class KVBlockIndex:
 
     # -------------------------------------------------------------- internals
 
-    def _resolve(self, pod: str, dp_rank: int, engine_key: int) -> int | None:
-        stream = self._streams.get((pod, dp_rank))
+    def _resolve(self, pod: str, dp_rank: int, engine_key: int, model: str | None) -> int | None:
+        stream = self._streams.get((pod, dp_rank, model))
         if stream is not None:
             rk = stream.get(engine_key)
             if rk is not None:
                 return rk
-        v = self._engine.get(engine_key)
+        emap = self._engine.get(model)
+        v = emap.get(engine_key) if emap is not None else None
         return v[0] if v is not None else None
 
     def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
@@ -670,12 +723,12 @@ class KVBlockIndex:
             rks = self.token_processor.chain(
                 prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys
             )
-            stream = self._stream(it.pod, it.dp_rank)
+            stream = self._stream(it.pod, it.dp_rank, it.model)
             for ek, rk in zip(it.engine_keys, rks.tolist()):
                 if ek not in it.removed:
-                    self._put(it.pod, it.dp_rank, ek, rk, it.tier, stream)
+                    self._put(it.pod, it.dp_rank, ek, rk, it.tier, it.model, stream)
                     attached += 1
-                waiting = self._orphans.pop(ek, None) if self._orphans else None
+                waiting = self._orphans.pop((it.model, ek), None) if self._orphans else None
                 if waiting:
                     for w in waiting:
                         self._forget_orphan(w)
@@ -683,24 +736,33 @@ class KVBlockIndex:
                         work.append((w, rk))
         return attached
 
-    def _stream(self, pod: str, dp_rank: int) -> dict[int, int]:
-        stream = self._streams.get((pod, dp_rank))
+    def _stream(self, pod: str, dp_rank: int, model: str | None) -> dict[int, int]:
+        key = (pod, dp_rank, model)
+        stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[(pod, dp_rank)] = {}
+            stream = self._streams[key] = {}
+        else:
+            self._maybe_empty.discard(key)
         return stream
 
-    def _put(
-        self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int] | None = None
-    ) -> None:
-        """Record that (pod, rank) holds request key ``rk`` as engine key ``ek`` in tier ``bit``.
+    def _prune_streams(self) -> None:
+        """Drop stream maps left empty (a pod that comes and goes leaves nothing behind)."""
+        for key in self._maybe_empty:
+            m = self._streams.get(key)
+            if m is not None and not m:
+                del self._streams[key]
+        self._maybe_empty.clear()
 
-        ``stream``: the (pod, rank) engine-key map when the caller has it at hand.
+    def _put(
+        self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, model: str | None, stream: dict[int, int]
+    ) -> None:
+        """Record that (pod, rank, model) holds request key ``rk`` as engine key ``ek`` in tier ``bit``.
+
+        ``stream``: the (pod, rank, model) engine-key map.
         """
-        if stream is None:
-            stream = self._stream(pod, dp_rank)
         old_rk = stream.get(ek)
         if old_rk is None and rk not in self._blocks:
-            self._put_new(pod, dp_rank, ek, rk, bit, stream)
+            self._put_new(pod, dp_rank, ek, rk, bit, model, stream)
             return
         if old_rk is not None and old_rk != rk:
             # the engine reused this hash for other content: forget the old mapping
@@ -717,35 +779,40 @@ class KVBlockIndex:
             pb = pods[pod] = _PodBlock()
         entry = pb.ranks.get(dp_rank)
         if entry is None:
-            pb.ranks[dp_rank] = [bit, ek]
+            pb.ranks[dp_rank] = [bit, ek, model]
         else:
             entry[0] |= bit
             if entry[1] != ek:
                 if stream.get(entry[1]) == rk:
                     del stream[entry[1]]
-                    self._unref_engine(entry[1])
+                    self._unref_engine(entry[1], model)
                 entry[1] = ek
         pb.mask |= bit
         self._set_pod_mask(pod, rk, pb.mask)
-        self._link(pod, stream, ek, rk)
+        self._link(pod, stream, ek, rk, model)
 
-    def _put_new(self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, stream: dict[int, int]) -> None:
+    def _put_new(
+        self, pod: str, dp_rank: int, ek: int, rk: int, bit: int, model: str | None, stream: dict[int, int]
+    ) -> None:
         """:meth:`_put` for a request key nobody holds yet (the common case), with less lookup."""
         blocks = self._blocks
-        blocks[rk] = {pod: _PodBlock(bit, {dp_rank: [bit, ek]})}
+        blocks[rk] = {pod: _PodBlock(bit, {dp_rank: [bit, ek, model]})}
         if len(blocks) > self.capacity:
             self._evict_one()
         self._set_pod_mask(pod, rk, bit)
-        self._link(pod, stream, ek, rk)
+        self._link(pod, stream, ek, rk, model)
 
-    def _link(self, pod: str, stream: dict[int, int], ek: int, rk: int) -> None:
+    def _link(self, pod: str, stream: dict[int, int], ek: int, rk: int, model: str | None) -> None:
         """Map engine key ``ek`` to ``rk`` for the stream (and level 2); count the store."""
         if stream.get(ek) != rk:
             stream[ek] = rk
             if not self._compat:
-                v = self._engine.get(ek)
+                emap = self._engine.get(model)
+                if emap is None:
+                    emap = self._engine[model] = {}
+                v = emap.get(ek)
                 if v is None:
-                    self._engine[ek] = [rk, 1]
+                    emap[ek] = [rk, 1]
                 else:
                     v[0] = rk
                     v[1] += 1
@@ -764,18 +831,24 @@ class KVBlockIndex:
             mine = self._spec_by_pod.get(pod)
             if mine is not None:
                 mine.discard(rk)
+                if not mine:
+                    del self._spec_by_pod[pod]
 
-    def _store_tokenless(self, pod: str, dp_rank: int, engine_keys: Iterable[int], bit: int) -> int:
+    def _store_tokenless(
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], bit: int, model: str | None
+    ) -> int:
         n = 0
+        stream = self._stream(pod, dp_rank, model)
+        self._maybe_empty.add((pod, dp_rank, model))
         for ek in engine_keys:
             if self._compat:
                 rk: int | None = ek
             else:
-                rk = self._resolve(pod, dp_rank, ek)
+                rk = self._resolve(pod, dp_rank, ek, model)
             if rk is None:
                 self._c["unknown_offloads"] += 1
                 continue
-            self._put(pod, dp_rank, ek, rk, bit)
+            self._put(pod, dp_rank, ek, rk, bit, model, stream)
             n += 1
         return n
 
@@ -789,10 +862,13 @@ class KVBlockIndex:
         entry[0] &= ~bit
         if entry[0] == 0:
             del pb.ranks[dp_rank]
-            stream = self._streams.get((pod, dp_rank))
+            skey = (pod, dp_rank, entry[2])
+            stream = self._streams.get(skey)
             if stream is not None and stream.get(ek) == rk:
                 del stream[ek]
-                self._unref_engine(ek)
+                self._unref_engine(ek, entry[2])
+                if not stream:
+                    self._maybe_empty.add(skey)
             if not pb.ranks:
                 del pods[pod]
                 self._drop_pod_mask(pod, rk)
@@ -814,7 +890,8 @@ class KVBlockIndex:
         if old is None:
             bit = self._pod_bits.get(pod)
             if bit is None:
-                bit = self._pod_bits[pod] = 1 << len(self._pod_bits)
+                free = self._free_bits
+                bit = self._pod_bits[pod] = free.pop() if free else 1 << len(self._pod_bits)
             self._holders[rk] = self._holders.get(rk, 0) | bit
             self._mixed[pod] += mask != _GPU_BIT
         elif (old != _GPU_BIT) != (mask != _GPU_BIT):
@@ -833,37 +910,50 @@ class KVBlockIndex:
         else:
             del self._holders[rk]
         if not pm:
+            # the pod holds nothing now: its tables go and its bit is reused
             del self._pod_masks[pod]
             del self._mixed[pod]
+            self._free_bits.append(self._pod_bits.pop(pod))
         else:
             self._mixed[pod] -= old != _GPU_BIT
 
-    def _unref_engine(self, ek: int) -> None:
+    def _unref_engine(self, ek: int, model: str | None) -> None:
         if self._compat:
             return
-        v = self._engine.get(ek)
+        emap = self._engine.get(model)
+        v = emap.get(ek) if emap is not None else None
         if v is not None:
             v[1] -= 1
             if v[1] <= 0:
-                del self._engine[ek]
+                del emap[ek]
+                if not emap:
+                    del self._engine[model]
 
     def _evict_one(self) -> None:
         rk, pods = self._blocks.popitem(last=False)
         for pod, pb in pods.items():
             self._drop_pod_mask(pod, rk)
-            for rank, (_mask, ek) in pb.ranks.items():
-                stream = self._streams.get((pod, rank))
+            for rank, (_mask, ek, model) in pb.ranks.items():
+                skey = (pod, rank, model)
+                stream = self._streams.get(skey)
                 if stream is not None and stream.get(ek) == rk:
                     del stream[ek]
-                    self._unref_engine(ek)
+                    self._unref_engine(ek, model)
+                    if not stream:
+                        self._maybe_empty.add(skey)
         self._c["evictions"] += 1
 
     def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
         n = len(item.engine_keys)
-        self._orphans.setdefault(parent_ek, []).append(item)
+        self._orphans.setdefault((item.model, parent_ek), []).append(item)
         self._orphan_blocks += n
         for ek in item.engine_keys:
-            self._orphan_by_ek[(item.pod, item.dp_rank, ek)] = item
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is None:
+                self._orphan_by_ek[key] = [item]
+            else:
+                lst.append(item)  # the same block stored again while waiting (two physical copies)
         self._c["orphans"] += n
         while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
             _k, group = self._orphans.popitem(last=False)
@@ -875,14 +965,21 @@ class KVBlockIndex:
         """Account for an orphan leaving the table (attached or dropped)."""
         self._orphan_blocks -= len(item.engine_keys)
         for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, ek)
-            if self._orphan_by_ek.get(key) is item:
-                del self._orphan_by_ek[key]
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is not None:
+                lst[:] = [w for w in lst if w is not item]
+                if not lst:
+                    del self._orphan_by_ek[key]
 
-    def _drop_orphans_of(self, pod: str, dp_rank: int | None) -> None:
+    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model: str | None | _AllModels = ALL_MODELS) -> None:
+        every = model is ALL_MODELS
         for pk in list(self._orphans):
             group = self._orphans[pk]
-            keep = [g for g in group if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank))]
+            keep = [
+                g for g in group
+                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
+            ]
             if len(keep) != len(group):
                 kept = {id(g) for g in keep}
                 for g in group:
@@ -906,4 +1003,6 @@ class KVBlockIndex:
                 mine = self._spec_by_pod.get(pod)
                 if mine is not None:
                     mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
                 self._c["speculative_expired"] += 1

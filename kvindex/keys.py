@@ -243,6 +243,28 @@ def digest_to_key(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 
+def int_lora_scope(extra_keys: Sequence[Sequence[Any] | None] | None) -> str | None:
+    """The LoRA scope of an old engine's event whose extras start with an integer adapter id.
+
+    vLLM engines older than the ``lora_name`` event field put the request's
+    numeric LoRA id (``lora_int_id``) first in every block's extras.  The
+    router cannot know which adapter name that id stands for, so such blocks
+    are scoped by the pseudo LoRA name ``"lora_int_id:<n>"``: they are kept
+    (and their children chain from them) but never match a base-model or a
+    named-LoRA request.  Returns that name, or None when the first block's
+    extras do not start with an int (bool excluded).
+    """
+    if not extra_keys:
+        return None
+    first = extra_keys[0]
+    if first is None or len(first) == 0:
+        return None
+    head = first[0]
+    if type(head) is int:
+        return f"lora_int_id:{head}"
+    return None
+
+
 def extra_keys_from_event(
     extra_keys: Sequence[Sequence[Any] | None] | None, lora_name: str | None
 ) -> list[tuple[Any, ...] | None] | None:
@@ -253,11 +275,14 @@ def extra_keys_from_event(
     has a ``lora_name``; :meth:`TokenProcessor.chain` takes the LoRA as
     ``lora=`` instead.  Returns one tuple (or None) per block, None for None.
     Raises ValueError when ``lora_name`` is set but a block's extras do not
-    start with it.
+    start with it.  An old engine's integer LoRA id first in the extras (see
+    :func:`int_lora_scope`) is stripped like a name; the caller scopes the
+    keys by ``int_lora_scope(extra_keys)``.
     """
     if extra_keys is None:
         return None
     out: list[tuple[Any, ...] | None] = []
+    int_id = extra_keys[0][0] if lora_name is None and int_lora_scope(extra_keys) is not None else None  # type: ignore[index]
     for entry in extra_keys:
         if entry is None:
             if lora_name is not None:
@@ -268,6 +293,10 @@ def extra_keys_from_event(
         if lora_name is not None:
             if not items or items[0] != lora_name:
                 raise ValueError("event extra keys do not start with the LoRA name")
+            items = items[1:]
+        elif int_id is not None:
+            if not items or type(items[0]) is not int or items[0] != int_id:
+                raise ValueError("event extra keys do not start with the same integer LoRA id")
             items = items[1:]
         out.append(items or None)
     return out
@@ -283,6 +312,8 @@ def _tokens_to_u64(tokens: Any) -> np.ndarray:
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         kind = tokens.dtype.kind
+        if tokens.size == 0 and kind in "uif":
+            return _EMPTY.copy()  # np.array([]) is float64: an empty prompt all the same
         if kind == "u":
             return tokens if tokens.dtype == np.uint64 else tokens.astype(np.uint64)
         if kind == "i":

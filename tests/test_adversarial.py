@@ -188,6 +188,8 @@ def test_bad_payloads_are_counted_index_unchanged_and_pool_keeps_working():
         assert {"seq", "depth", "token_ids", "hash", "ts", "msgpack"} <= set(s.errors_by_kind), s.errors_by_kind
         # the pool still applies good messages on every stream afterwards
         p.pool.submit(msg("a", len(payloads) + 1, batch_payload([stored([13], 11, toks(3))])))
+        # no replay endpoint: the jump over unreadable messages is applied once the next message confirms it
+        p.pool.submit(msg("a", len(payloads) + 2, batch_payload([])))
         p.pool.submit(msg("b", 0, batch_payload([stored([21], None, toks(4))])))
         assert p.pool.flush(10)
         assert len(p.index.prefix_match(list(p.index.token_processor.request_keys(toks(1) + toks(3), model="m")), ["a"])["a"]) == 2
@@ -530,6 +532,13 @@ def test_dp_ranks_and_seq_jumps_through_the_pool():
         # rank 1 restarts (seq back to 0) and stores another block; rank 0 jumps forward (a gap, no replay)
         p.pool.submit(msg("a", 0, batch_payload([stored([12], None, toks(2))], dp_rank=1)))
         p.pool.submit(msg("a", 10**12, batch_payload([stored([13], 11, toks(3))], dp_rank=0)))
+        assert p.pool.flush(10)
+        # without replay endpoints neither is taken before the stream's next message confirms it
+        s = p.pool.stats()
+        assert s.restarts == 0 and s.gaps == 1 and s.gaps_unrecovered == 0
+        assert p.index.lookup(p.index.token_processor.request_keys(toks(2), model="m"))[0] == ()
+        p.pool.submit(msg("a", 1, batch_payload([], dp_rank=1)))
+        p.pool.submit(msg("a", 10**12 + 1, batch_payload([], dp_rank=0)))
         assert p.pool.flush(10)
         s = p.pool.stats()
         assert s.restarts == 1 and s.gaps == 1 and s.gaps_unrecovered == 1

@@ -67,12 +67,20 @@ NEW = prompt(9, 3)  # stored by the valid message after the garbage
 
 
 def error_kind(payload: bytes, engine: str = "vllm") -> str | None:
-    """The kind the decoder reports for ``payload``, or None when it decodes."""
+    """The kind the decoder reports for ``payload``, or None when it decodes without a bad event."""
     try:
-        DECODERS[engine](payload)
+        b = DECODERS[engine](payload)
     except PayloadError as exc:
         return exc.kind
-    return None
+    return b.bad_events[0] if b.bad_events else None
+
+
+def bad_event_kinds(payload: bytes, engine: str = "vllm") -> tuple[str, ...] | None:
+    """The kinds of a decodable batch's malformed events (None when the payload is no batch)."""
+    try:
+        return DECODERS[engine](payload).bad_events
+    except PayloadError:
+        return None
 
 
 class Bad(NamedTuple):
@@ -155,7 +163,7 @@ def bad_payload(draw: st.DrawFn) -> Bad:
     )
     engine = draw(st.sampled_from(["vllm", "vllm", "sglang"]))
     kind = error_kind(payload, engine)
-    if kind is None:  # decodes after all: not garbage
+    if kind is None or bad_event_kinds(payload, engine) is not None:  # a batch after all: not garbage
         payload, engine = b"\xc1", "vllm"  # 0xc1 is never valid msgpack
         kind = error_kind(payload)
     assert kind is not None
@@ -188,7 +196,8 @@ def targeted(draw: st.DrawFn) -> Bad:
     payload = msgspec.msgpack.encode([ts, [ev], 0])
     kind = error_kind(payload)
     assert kind is not None, (field, value)
-    return Bad(payload, kind)
+    # a bad field spoils its event only: the batch decodes (empty) and consumes its seq
+    return Bad(payload, kind, advances=bad_event_kinds(payload) is not None)
 
 
 @st.composite

@@ -44,13 +44,19 @@ def check_well_formed(b: EventBatch) -> None:
 
 
 def run(decode, payload) -> str:
-    """Decode; return "ok" or the PayloadError kind. Any other exception fails."""
+    """Decode; return "ok", the PayloadError kind, or the kind of the batch's first malformed event.
+
+    Any other exception fails.
+    """
     try:
         b = decode(payload)
     except PayloadError as e:
         assert isinstance(e.kind, str) and e.kind
         return e.kind
     check_well_formed(b)
+    if b.bad_events:
+        assert all(isinstance(k, str) and k for k in b.bad_events)
+        return b.bad_events[0]
     return "ok"
 
 

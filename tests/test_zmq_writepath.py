@@ -288,8 +288,10 @@ def test_gap_beyond_the_engines_replay_buffer_is_unrecovered(make_rig: Callable[
     rig.subscribe([e])
     rig.join(e)
     prompts = Prompts(250)
-    rig.serve(e, prompts.tokens(2 * BS))
+    first = prompts.tokens(2 * BS)
+    rig.serve(e, first)
     rig.sync(e)
+    assert [x.complete for x in rig.pool.completeness("pod-a")] == [True]
     before = rig.pool.stats()
     e.drop_next(4)
     batch = [prompts.tokens(2 * BS) for _ in range(5)]  # unrelated prompts: one batch each
@@ -297,11 +299,13 @@ def test_gap_beyond_the_engines_replay_buffer_is_unrecovered(make_rig: Callable[
         rig.serve(e, toks)
     rig.sync(e)
     s = rig.pool.stats()
-    # the 3-batch buffer holds batch[2..4]: batch[0] and batch[1] are lost for good
-    assert s.gaps == 1 and s.gaps_unrecovered == 1
+    # the 3-batch buffer holds batch[2..4]: batch[0] and batch[1] are lost for good, and with
+    # them whatever they removed, so the stream is cleared and rebuilt from the buffer
+    assert s.gaps == 1 and s.gaps_unrecovered == 1 and s.restarts == 0
     assert delta(s, before, "replay_requests") == 1 and delta(s, before, "replayed_batches") == 3
-    lost = set(engine_hashes(batch[0])) | set(engine_hashes(batch[1]))
+    lost = set(engine_hashes(batch[0])) | set(engine_hashes(batch[1])) | set(engine_hashes(first))
     assert rig.index_view("pod-a") == rig.engine_view(e, exclude=lost)
+    assert [x.complete for x in rig.pool.completeness("pod-a")] == [False]
 
 
 def test_gap_without_replay_is_unrecovered_and_orphans_are_counted(make_rig: Callable[..., Rig]) -> None:
@@ -347,14 +351,21 @@ def test_gap_without_replay_compat_keeps_later_blocks(make_rig: Callable[..., Ri
     first = prompts.tokens(2 * BS)
     rig.serve(e, first)
     rig.sync(e)
+    seq_before = rig.last_seq("pod-a")
     lost = first + prompts.tokens(3 * BS)
     e.drop_next(1)
     rig.serve(e, lost)
     ext = lost + prompts.tokens(2 * BS)
     rig.serve(e, ext)
+    # without a replay endpoint a forward jump waits for the stream's next message to confirm it
+    wait_until(lambda: rig.pool.stats().gaps == 1, "the gap")
+    assert rig.pool.flush(10) and rig.last_seq("pod-a") == seq_before
+    more = prompts.tokens(BS)
+    rig.serve(e, more)
     rig.sync(e)
     s = rig.pool.stats()
     assert s.gaps == 1 and s.gaps_unrecovered == 1
+    assert [x.complete for x in rig.pool.completeness("pod-a")] == [False]
     # engine keys are request keys: the blocks after the gap are held even though their parent was lost
     assert rig.index_view("pod-a") == rig.engine_view(e, exclude=set(engine_hashes(lost)[2:]))
     assert set(engine_hashes(ext)[5:]) <= set(rig.index_view("pod-a"))
@@ -513,9 +524,11 @@ def test_orphan_attached_when_its_parent_arrives_over_zmq(make_rig: Callable[...
     b.drop_next(1)
     rig.serve(b, head)
     rig.serve(b, child)
+    other = prompts.tokens(BS)
+    rig.serve(b, other)  # confirms the jump (pod-b has no replay endpoint)
     rig.sync(b)
     assert rig.index.stats().orphan_blocks == 2
-    assert "pod-b" not in rig.index.pods()
+    assert rig.index.pod_keys("pod-b") == set(rig.rks(other))
 
     rig.serve(a, head)  # same engine keys: releases pod-b's waiting blocks
     rig.sync(a)
@@ -525,6 +538,7 @@ def test_orphan_attached_when_its_parent_arrives_over_zmq(make_rig: Callable[...
     held = rig.index.lookup(rk)
     assert [{x.pod for x in h} for h in held] == [{"pod-a"}] * 3 + [{"pod-b"}] * 2
     assert rig.index_view("pod-b") == rig.engine_view(b, exclude=set(engine_hashes(head)))
+    assert set(rig.rks(other)) <= set(rig.index_view("pod-b"))
     rig.check(a)
 
 

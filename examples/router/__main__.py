@@ -13,6 +13,15 @@ the engine's ``--kv-events-config`` topic ``kv@<pod>@<model>``. Example::
         --engine pod-0@http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 \\
         --engine pod-1@http://10.0.0.6:8000=tcp://10.0.0.6:5557,tcp://10.0.0.6:5558
 
+P/D mode (:mod:`examples.router.pd`): ``--prefill`` and ``--decode`` name
+the prefill and decode engines (NixlConnector with bidirectional KV transfer)
+in the same format; a request's conversation is its ``x-conversation-id``
+header (or a ``conversation_id`` body field)::
+
+    python -m examples.router --port 8080 \\
+        --prefill prefill-0@http://127.0.0.1:8100=tcp://127.0.0.1:5557 \\
+        --decode decode-0@http://127.0.0.1:8200=tcp://127.0.0.1:5567
+
 ``--config FILE`` reads a :class:`examples.router.app.RouterConfig` (YAML, or
 JSON for ``.json``); engines given on the command line are added to the
 file's, and the other options given on the command line override it.
@@ -45,6 +54,18 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
         help="one engine (repeat for each): HTTP base URL, KV-event endpoint and, after a comma, replay "
         "endpoint; POD (default: the URL's host:port) must be the pod of the engine's topic kv@<pod>@<model>",
     )
+    p.add_argument(
+        "--prefill", action="append", default=[], metavar="[POD@]URL=ZMQ[,REPLAY]",
+        help="P/D mode: a prefill engine (repeat for each; same format as --engine)",
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], metavar="[POD@]URL=ZMQ[,REPLAY]",
+        help="P/D mode: a decode engine (repeat for each; same format as --engine)",
+    )
+    p.add_argument("--recompute-threshold", type=int, help="P/D: the engines' kv_recompute_threshold (default 64)")
+    p.add_argument("--retained-ttl", type=float, help="P/D: seconds D's retained KV is offered (default 450)")
+    p.add_argument("--no-guard", action="store_true", help="P/D: send D's params unclipped (comparisons only)")
+    p.add_argument("--pd-stream", choices=("buffer", "passthrough"), help="P/D: streaming clients (default buffer)")
     p.add_argument("--model", help="served model name (default: ask the first engine's /v1/models)")
     p.add_argument("--block-size", type=int, help="tokens per block, = the engines' --block-size (default 32)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -55,7 +76,9 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
     args = p.parse_args(argv)
     try:
         base = load_router_config(args.config) if args.config else RouterConfig()
-        engines = list(base.engines) + [parse_engine_arg(e) for e in args.engine]
+        prefill = [parse_engine_arg(e) for e in args.prefill]
+        decode = [parse_engine_arg(e) for e in args.decode]
+        engines = list(base.engines) + [parse_engine_arg(e) for e in args.engine] + prefill + decode
         overrides = {
             "model": args.model,
             "block_size": args.block_size,
@@ -67,6 +90,17 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
         data = msgspec.to_builtins(base)
         data.update({k: v for k, v in overrides.items() if v is not None})
         data["engines"] = [msgspec.to_builtins(e) for e in engines]
+        data["prefill"] = list(base.prefill) + [e.pod for e in prefill]
+        data["decode"] = list(base.decode) + [e.pod for e in decode]
+        for key, value in (
+            ("recompute_threshold", args.recompute_threshold),
+            ("retained_ttl", args.retained_ttl),
+            ("pd_stream", args.pd_stream),
+        ):
+            if value is not None:
+                data[key] = value
+        if args.no_guard:
+            data["guard"] = False
         config = msgspec.convert(data, RouterConfig)
     except (OSError, ValueError, msgspec.ValidationError) as e:
         p.error(str(e))
@@ -80,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(argv)
     try:
-        router = Router(config)
+        if config.prefill or config.decode:
+            from examples.router.pd import PDRouter
+
+            router: Router = PDRouter(config)
+        else:
+            router = Router(config)
     except (RuntimeError, ValueError) as e:
         print(f"python -m examples.router: error: {e}", file=sys.stderr)
         return 2

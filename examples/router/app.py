@@ -175,6 +175,16 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         ``token_processor_config.algorithm``); the router fills in
         ``model_name``, ``token_processor_config.block_size`` and
         ``kv_events_config.engines`` from the fields above.
+    prefill, decode: P/D mode (:mod:`examples.router.pd`): the pod ids of the
+        prefill and of the decode engines (both empty: the plain router).
+    recompute_threshold: P/D: the engines' ``kv_recompute_threshold`` (tokens).
+    retained_ttl: P/D: seconds a decode pod's retained KV is offered for the
+        next turn (below the engines' ``decoder_kv_blocks_ttl``, 480 s).
+    guard: P/D: clip next-turn params to the prompt's common prefix with the
+        retained tokens (off only for comparisons).
+    pd_stream: P/D, clients asking to stream: ``buffer`` (D answers
+        non-streaming, re-emitted as events; KV reuse kept) or ``passthrough``
+        (D streams; the conversation's retained KV is not reused).
     """
 
     engines: list[EngineSpec] = msgspec.field(default_factory=list)
@@ -187,6 +197,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     decision_log_size: int = 1000
     upstream_timeout: float = 600.0
     indexer: dict[str, Any] = msgspec.field(default_factory=dict)
+    prefill: list[str] = msgspec.field(default_factory=list)
+    decode: list[str] = msgspec.field(default_factory=list)
+    recompute_threshold: int = 64
+    retained_ttl: float = 450.0
+    guard: bool = True
+    pd_stream: Literal["buffer", "passthrough"] = "buffer"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -799,14 +815,20 @@ class Router:
 
 
 class RunningRouter:
-    """Serve a :class:`Router` in the current event loop (tests, demos).
+    """Serve a :class:`Router` (a :class:`examples.router.pd.PDRouter` when the
+    config names prefill and decode pods) in the current event loop (tests, demos).
 
     ``async with RunningRouter(config) as rr: rr.url`` -> ``http://host:port``;
     port 0 in the config picks a free port.
     """
 
     def __init__(self, config: RouterConfig) -> None:
-        self.router = Router(config)
+        if config.prefill or config.decode:
+            from examples.router.pd import PDRouter  # P/D mode
+
+            self.router: Router = PDRouter(config)
+        else:
+            self.router = Router(config)
         self._runner: web.AppRunner | None = None
         self.url = ""
 

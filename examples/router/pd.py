@@ -1,0 +1,380 @@
+"""P/D mode of the reference router: prefill and decode engines with bidirectional KV reuse.
+
+Built on :class:`connector.planner.PDPlanner` (all decisions) and the router's
+plumbing (:class:`examples.router.app.Router`: tokenization, the embedded
+indexer fed by both kinds of engines' KV events, load refresh, metrics).
+
+One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
+
+1. **conversation_id**: the ``x-conversation-id`` request header, else a
+   top-level ``conversation_id`` body field (removed before forwarding: vLLM
+   0.32 accepts unknown fields but logs a warning for each request).  Without
+   one, the turn runs P/D without retention.
+2. The prompt's token ids (the engines' ``/tokenize``, chat template applied)
+   and :meth:`PDPlanner.plan`: which P, which D, pull D's retained KV or
+   recompute, and P's ``kv_transfer_params``.
+3. **P leg**: the body with ``max_tokens`` 1 (``max_completion_tokens`` 1 for
+   chat), ``stream`` false and the planned params.  If P fails on a pull
+   (HTTP 5xx: D's entry expired on D's clock and P declined it under the
+   default ``kv_load_failure_policy`` "fail", or the D holding the blocks is
+   unreachable: P answers 500 after ~5 s), P is asked once more without
+   remote params; the fallback is counted
+   (``kvindex_router_pd_fallbacks_total{cause}``).
+4. **D leg**: the body with P's answer params, ``stream`` false and
+   ``return_token_ids`` true (the router needs the generated ids to know which
+   tokens D retains).  D's answer carries the next turn's params
+   (bidirectional only, and only in non-streaming answers in vLLM 0.32);
+   :meth:`PDPlanner.decode_answered` refreshes the conversation's entry.
+5. The client gets D's answer without ``kv_transfer_params`` and without the
+   token-id fields it did not ask for.
+
+Streaming clients (``"stream": true``): with ``pd_stream="buffer"`` (the
+default) D is called non-streaming and its whole answer is re-emitted as
+server-sent events (one content chunk, a usage chunk when asked, ``[DONE]``):
+the next turn can reuse D's KV, at the price of time-to-first-token equal to
+the whole answer's time.  With ``pd_stream="passthrough"`` D streams to the
+client as it generates and the conversation's retained entry is dropped (vLLM
+0.32 streams no kv_transfer_params; vLLM PR #40186).
+
+Response headers: ``x-kvindex-prefill-pod``, ``x-kvindex-decode-pod``,
+``x-kvindex-pd-action`` (pull / recompute), ``x-kvindex-pulled-tokens``
+(predicted), ``x-kvindex-decision``.  ``GET /pd/decisions`` lists the turns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import Counter
+
+from connector.params import RejectCounter, params_from_json_body
+from connector.planner import PDPlanner, TurnPlan
+from connector.retained import RetainedStore
+from examples.router.app import HOP_BY_HOP, Router, RouterConfig
+
+__all__ = ["PDRouter", "PDTurn", "conversation_id_of"]
+
+log = logging.getLogger("kvindex.router.pd")
+
+CONVERSATION_HEADER = "x-conversation-id"
+CONVERSATION_FIELD = "conversation_id"
+
+
+def conversation_id_of(headers: Any, body: dict[str, Any]) -> str | None:
+    """The request's conversation_id: the ``x-conversation-id`` header, else the body's ``conversation_id``.
+
+    Removes the body field (whatever its value).  Empty or non-string values
+    mean none.
+    """
+    field = body.pop(CONVERSATION_FIELD, None)
+    cid = headers.get(CONVERSATION_HEADER) if headers is not None else None
+    if isinstance(cid, str) and cid:
+        return cid
+    return field if isinstance(field, str) and field else None
+
+
+class PDTurn(msgspec.Struct, kw_only=True):
+    """One P/D turn as logged in ``GET /pd/decisions``.
+
+    plan: the planner's decisions (pods, action, reasons, predicted tokens).
+    prefill_status / decode_status: HTTP statuses (None: not reached).
+    prefill_cached_tokens: ``remote_prefill_cached_tokens`` of P's answer
+        (engine-confirmed: P's local hits plus what it pulled).
+    retained_tokens: D's ``remote_num_tokens`` for the next turn (0: none).
+    prefill_ms, decode_ms, total_ms: leg durations; ttft_ms = the time until
+        P answered (the first token is P's).
+    """
+
+    id: int
+    conversation_id: str | None
+    plan: TurnPlan
+    prefill_status: int | None = None
+    decode_status: int | None = None
+    prefill_cached_tokens: int | None = None
+    retained_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    total_ms: float = 0.0
+    ttft_ms: float = 0.0
+
+
+class PDRouter(Router):
+    """The router in P/D mode (see the module docstring).
+
+    ``config.prefill`` / ``config.decode`` name the pods of each role (every
+    one must be among ``config.engines``).
+
+    Raises:
+        ValueError: no prefill or no decode pod, or a role naming an unknown pod.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        if not config.prefill or not config.decode:
+            raise ValueError("P/D mode needs at least one --prefill and one --decode engine")
+        unknown = [p for p in [*config.prefill, *config.decode] if p not in self.engines]
+        if unknown:
+            raise ValueError(f"P/D roles name unknown pods: {unknown}")
+        self.planner: PDPlanner | None = None
+        self.rejects = RejectCounter()
+        self.turns: list[PDTurn] = []
+        self._turn_ids = itertools.count(1)
+        r = self.registry
+        self.m_pd_turns = Counter("kvindex_router_pd_turns", "P/D turns, by action.", ["action"], registry=r)
+        self.m_pd_fallbacks = Counter(
+            "kvindex_router_pd_fallbacks", "Pulls that failed and were recomputed, by cause.", ["cause"], registry=r
+        )
+        self.m_pd_pulled = Counter(
+            "kvindex_router_pd_pulled_tokens", "Predicted tokens P pulled from D, summed.", registry=r
+        )
+        self.m_pd_errors = Counter(
+            "kvindex_router_pd_errors", "Turns that failed, by leg.", ["leg"], registry=r
+        )
+
+    async def start(self) -> None:
+        """Start the router, then build the planner over its index."""
+        await super().start()
+        assert self.indexer is not None
+        cfg = self.config
+        store = RetainedStore(self.indexer.index, ttl=cfg.retained_ttl)
+        self.planner = PDPlanner(
+            self.indexer.index,
+            self.indexer.token_processor,
+            store,
+            recompute_threshold=cfg.recompute_threshold,
+            tier_weights=self.indexer.tier_weights,
+            guard=cfg.guard,
+            model=self.model,
+        )
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/pd/decisions", self.handle_pd_decisions)
+        return app
+
+    def _role_candidates(self, pods: list[str]) -> list[str]:
+        up = [p for p in pods if self.healthy.get(p)]
+        return up or list(pods)
+
+    async def _post(self, pod: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytes]:
+        """POST ``body`` to ``pod``; (status, raw body); status 502 when unreachable."""
+        assert self._session is not None
+        try:
+            async with self._session.post(
+                self.engines[pod].url + path, data=msgspec.json.encode(body), headers=headers
+            ) as up:
+                return up.status, await up.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("P/D router: %s unreachable: %r", pod, e)
+            return 502, msgspec.json.encode({"error": {"message": f"engine {pod} failed: {e!r}", "code": 502}})
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        """One P/D turn (see the module docstring)."""
+        assert self.planner is not None and self.indexer is not None
+        started = time.perf_counter()
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "body must be a JSON object", "code": 400}}, status=400)
+        cid = conversation_id_of(request.headers, body)
+        path = request.path
+        tokens, _source = await self.prompt_token_ids(path, body)
+        tokens = tokens or []
+        plan = self.planner.plan(
+            cid,
+            tokens,
+            self._role_candidates(self.config.prefill),
+            self._role_candidates(self.config.decode),
+            self.indexer.loads(),
+        )
+        turn = PDTurn(id=next(self._turn_ids), conversation_id=cid, plan=plan)
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() not in HOP_BY_HOP and k.lower() != CONVERSATION_HEADER
+        }
+        headers["Content-Type"] = "application/json"
+        stream = bool(body.get("stream"))
+        chat = path.endswith("/chat/completions")
+
+        # -- P leg
+        t0 = time.perf_counter()
+        p_status, p_raw = await self._prefill(plan, body, path, headers, chat)
+        if p_status >= 500 and plan.action == "pull":
+            cause = "prefill_unreachable" if p_status == 502 else f"prefill_http_{p_status}"
+            plan = self.planner.fallback(plan, cause)
+            turn.plan = plan
+            self.m_pd_fallbacks.labels(cause).inc()
+            p_status, p_raw = await self._prefill(plan, body, path, headers, chat)
+        turn.prefill_status = p_status
+        turn.prefill_ms = turn.ttft_ms = (time.perf_counter() - t0) * 1000.0
+        self.m_pd_turns.labels(plan.action).inc()
+        self.m_pd_pulled.inc(plan.pulled_tokens)
+        if p_status != 200:
+            self.m_pd_errors.labels("prefill").inc()
+            return self._done(turn, started, web.Response(status=p_status, body=p_raw, content_type="application/json"))
+        p_params = params_from_json_body(p_raw, where=f"prefill pod {plan.prefill_pod}", rejects=self.rejects)
+        if p_params is not None:
+            turn.prefill_cached_tokens = p_params.remote_prefill_cached_tokens
+
+        # -- D leg
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = self.planner.decode_params(p_params)
+        want_ids = bool(body.get("return_token_ids"))
+        passthrough = stream and self.config.pd_stream == "passthrough"
+        if passthrough:
+            self.planner.decode_answered(plan, None, tokens)
+            return self._done(turn, started, await self._stream_decode(request, plan, d_body, headers, turn))
+        d_body["stream"] = False
+        d_body.pop("stream_options", None)
+        d_body["return_token_ids"] = True
+        t1 = time.perf_counter()
+        d_status, d_raw = await self._post(plan.decode_pod, path, d_body, headers)
+        turn.decode_ms = (time.perf_counter() - t1) * 1000.0
+        turn.decode_status = d_status
+        if d_status != 200:
+            self.m_pd_errors.labels("decode").inc()
+            self.planner.decode_answered(plan, None, tokens)
+            return self._done(turn, started, web.Response(status=d_status, body=d_raw, content_type="application/json"))
+        try:
+            answer = msgspec.json.decode(d_raw)
+        except msgspec.DecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            self.m_pd_errors.labels("decode").inc()
+            return self._done(turn, started, web.Response(status=502, body=d_raw, content_type="application/json"))
+        d_params = params_from_json_body(d_raw, where=f"decode pod {plan.decode_pod}", rejects=self.rejects)
+        output = _output_token_ids(answer)
+        if d_params is not None and output is not None and tokens:
+            entry = self.planner.decode_answered(plan, d_params, list(tokens) + output)
+            turn.retained_tokens = entry.num_tokens if entry is not None else 0
+        else:
+            self.planner.decode_answered(plan, None, tokens)
+        _strip_answer(answer, keep_ids=want_ids)
+        extra = self._pd_headers(turn)
+        if stream:
+            return self._done(turn, started, await self._emit_sse(request, answer, chat, body, extra))
+        return self._done(
+            turn, started, web.Response(status=200, body=msgspec.json.encode(answer), content_type="application/json", headers=extra)
+        )
+
+    async def _prefill(
+        self, plan: TurnPlan, body: dict[str, Any], path: str, headers: dict[str, str], chat: bool
+    ) -> tuple[int, bytes]:
+        p_body = dict(body)
+        p_body["kv_transfer_params"] = plan.prefill_params
+        p_body["stream"] = False
+        p_body.pop("stream_options", None)
+        p_body["max_tokens"] = 1
+        if chat and "max_completion_tokens" in p_body:
+            p_body["max_completion_tokens"] = 1
+        p_body.pop("min_tokens", None)
+        return await self._post(plan.prefill_pod, path, p_body, headers)
+
+    async def _stream_decode(
+        self, request: web.Request, plan: TurnPlan, d_body: dict[str, Any], headers: dict[str, str], turn: PDTurn
+    ) -> web.StreamResponse:
+        assert self._session is not None
+        t1 = time.perf_counter()
+        try:
+            async with self._session.post(
+                self.engines[plan.decode_pod].url + request.path, data=msgspec.json.encode(d_body), headers=headers
+            ) as up:
+                turn.decode_status = up.status
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "text/event-stream"), **self._pd_headers(turn)})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+        except (aiohttp.ClientError, TimeoutError) as e:
+            turn.decode_status = 502
+            self.m_pd_errors.labels("decode").inc()
+            return web.json_response({"error": {"message": f"engine {plan.decode_pod} failed: {e!r}", "code": 502}}, status=502)
+        finally:
+            turn.decode_ms = (time.perf_counter() - t1) * 1000.0
+
+    async def _emit_sse(
+        self, request: web.Request, answer: dict[str, Any], chat: bool, body: dict[str, Any], extra: dict[str, str]
+    ) -> web.StreamResponse:
+        """Re-emit a whole non-streaming answer as server-sent events."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **extra})
+        await resp.prepare(request)
+        base = {k: answer.get(k) for k in ("id", "created", "model")}
+        choices = []
+        for c in answer.get("choices") or []:
+            if chat:
+                msg = c.get("message") or {}
+                delta = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
+                if msg.get("reasoning_content") is not None:
+                    delta["reasoning_content"] = msg["reasoning_content"]
+                if msg.get("tool_calls"):
+                    delta["tool_calls"] = msg["tool_calls"]
+                choices.append({"index": c.get("index", 0), "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")})
+            else:
+                choices.append({k: c.get(k) for k in ("index", "text", "logprobs", "finish_reason")})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        await resp.write(b"data: " + msgspec.json.encode({**base, "object": obj, "choices": choices}) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage") and answer.get("usage") is not None:
+            await resp.write(b"data: " + msgspec.json.encode({**base, "object": obj, "choices": [], "usage": answer["usage"]}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def _pd_headers(self, turn: PDTurn) -> dict[str, str]:
+        p = turn.plan
+        return {
+            "x-kvindex-prefill-pod": p.prefill_pod,
+            "x-kvindex-decode-pod": p.decode_pod,
+            "x-kvindex-pd-action": p.action,
+            "x-kvindex-pulled-tokens": str(p.pulled_tokens),
+            "x-kvindex-decision": str(turn.id),
+        }
+
+    def _done(self, turn: PDTurn, started: float, resp: web.StreamResponse) -> web.StreamResponse:
+        turn.total_ms = (time.perf_counter() - started) * 1000.0
+        self.turns.append(turn)
+        del self.turns[: -self.config.decision_log_size]
+        return resp
+
+    async def handle_pd_decisions(self, request: web.Request) -> web.Response:
+        """``GET /pd/decisions?limit=N``: the last N P/D turns (default 100), oldest first."""
+        try:
+            limit = int(request.query.get("limit", "100"))
+        except ValueError:
+            return web.Response(status=400, text="limit must be an integer")
+        items = self.turns[-max(0, limit) :] if limit > 0 else []
+        return web.Response(body=msgspec.json.encode(items), content_type="application/json")
+
+
+def _output_token_ids(answer: dict[str, Any]) -> list[int] | None:
+    """Generated token ids of the first choice (vLLM's ``return_token_ids``), or None."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    ids = choices[0].get("token_ids")
+    if isinstance(ids, list) and all(type(t) is int for t in ids):
+        return ids
+    return None
+
+
+def _strip_answer(answer: dict[str, Any], *, keep_ids: bool) -> None:
+    """Remove what only the router needed: kv_transfer_params and (unless asked) the token-id fields."""
+    answer.pop("kv_transfer_params", None)
+    if keep_ids:
+        return
+    answer.pop("prompt_token_ids", None)
+    for c in answer.get("choices") or []:
+        if isinstance(c, dict):
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+

@@ -1,0 +1,498 @@
+"""Sequencing of one publisher's KV-event stream: a pure, synchronous state machine.
+
+One :class:`Sequencer` per publisher stream = (pod, model, DP rank).  It holds
+no sockets, threads or index: the pool's shard feeds it what arrived and
+performs the :data:`Action` values it returns, in order, feeding the answers
+of replays and restart checks back in.  This keeps every sequencing decision
+in one place that a test can drive through any interleaving.
+
+Inputs (methods): :meth:`~Sequencer.live` (a live batch, or a message whose
+payload failed to decode), :meth:`~Sequencer.replayed` / :meth:`~Sequencer.replay_end`
+(the batches of a replay the sequencer asked for, then its end or failure),
+:meth:`~Sequencer.confirmed` (the answer to a restart check),
+:meth:`~Sequencer.dropped` (a message of this pod was lost to a full queue),
+:meth:`~Sequencer.disconnected` / :meth:`~Sequencer.reconnected`,
+:meth:`~Sequencer.idle` (the shard's queue is empty).
+
+Outputs (actions): :class:`Apply` (apply a batch to the index),
+:class:`Clear` (forget the stream's blocks), :class:`Replay` (ask the engine's
+replay endpoint for its batches from seq N, then call ``replayed`` for each
+and ``replay_end``), :class:`Confirm` (ask the replay endpoint for the batch
+at seq N and call ``confirmed`` with whether it is the batch we applied),
+:class:`Count` (a statistic), :class:`Complete` (the completeness flag
+changed).
+
+Rules (vLLM seqs start at 0 per engine process and grow by 1 per batch; see
+vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
+
+- The next seq is applied.  A seq already applied is a duplicate when a
+  replay applied a batch with that seq and the same engine timestamp, or a
+  *stale* message when it falls in a range a replay could not deliver (the
+  engine's buffer had moved past it): both are skipped, never taken as a
+  restart.
+- A gap asks a replay from the first missing seq.  When the engine's buffer
+  no longer reaches back to it (the first replayed seq is later), the lost
+  range is unknown: the stream is cleared and rebuilt from what the buffer
+  holds, and marked incomplete.  The same holds for a hole inside a replay.
+- Restart rule: a seq going backwards is never a restart by itself.  With a
+  replay endpoint it is confirmed against the engine's buffer: the process
+  we know still holds the batch at our last seq with the same timestamp; a
+  new process does not (it is then cleared and rebuilt from seq 0 of the
+  new process).  Without a replay endpoint, or when the check fails, the
+  backward message is held as a candidate and the restart is confirmed only
+  when the stream's next message continues it (candidate seq + 1); a message
+  that continues our own sequence instead discards the candidate.  So one
+  hostile or corrupt message (e.g. seq 2**64 - 2) can never clear a pod.
+- A forward jump is accepted only when the engine's buffer knows the seq: a
+  gap replay that ended normally without reaching the message's seq means no
+  process published it (it is dropped, counted ``unconfirmed``), unless the
+  replay returned nothing at all (an engine without a buffer), in which case
+  the next message must continue it, as above.
+- After a disconnect, the next message is applied directly only when it
+  continues the sequence; otherwise (and at once on reconnect) the process is
+  checked as for a restart.  A confirmed same process is then replayed from
+  our last seq + 1 (what was missed meanwhile); without a replay endpoint a
+  reconnect clears the stream (a restarted engine's old blocks are never
+  predicted) and leaves it incomplete.
+- Completeness: the stream is *complete* when the blocks applied equal the
+  engine's as of the last applied seq and nothing since is known to be lost.
+  It becomes false after an unrecoverable gap, a queue overflow drop (until a
+  replay from our last seq succeeds), a reconnect without replay, a joined-late
+  start or a restart caught after its seq 0 was gone, and a malformed event;
+  true again after a replay covering everything from our last seq, a stream
+  (re)started at seq 0, or a batch carrying AllBlocksCleared (the engine's
+  state is then known from that point).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+__all__ = [
+    "Action",
+    "Apply",
+    "Batch",
+    "Clear",
+    "Complete",
+    "Confirm",
+    "Count",
+    "Replay",
+    "Sequencer",
+]
+
+
+class Batch(NamedTuple):
+    """One decoded batch as the sequencer sees it.
+
+    seq: the engine's sequence number (0 .. 2**64 - 2).
+    ts: the engine's wall-clock timestamp (only compared for equality).
+    resets: the batch carries AllBlocksCleared (the engine state is known after it).
+    lossy: one of its events could not be decoded (the state is no longer exact).
+    body: opaque for the sequencer (the pool's decoded batch), returned in :class:`Apply`.
+    """
+
+    seq: int
+    ts: float
+    resets: bool = False
+    lossy: bool = False
+    body: Any = None
+
+
+class Apply(NamedTuple):
+    """Apply ``batch`` to the index (``replayed``: it came from a replay)."""
+
+    batch: Batch
+    replayed: bool = False
+
+
+class Clear(NamedTuple):
+    """Forget every block of the stream in the index (why: a label for logs)."""
+
+    why: str
+
+
+class Replay(NamedTuple):
+    """Ask the replay endpoint for every buffered batch with seq >= ``start``."""
+
+    start: int
+
+
+class Confirm(NamedTuple):
+    """Ask the replay endpoint for the batch at ``seq``; answer with :meth:`Sequencer.confirmed`."""
+
+    seq: int
+
+
+class Count(NamedTuple):
+    """Add ``n`` to the counter ``name`` (a :class:`kvevents.pool.PoolStats` field)."""
+
+    name: str
+    n: int = 1
+
+
+class Complete(NamedTuple):
+    """The stream's completeness changed to ``complete`` (``why``: what made it so)."""
+
+    complete: bool
+    why: str
+
+
+Action = Apply | Clear | Replay | Confirm | Count | Complete
+
+
+class Sequencer:
+    """Sequence state of one publisher stream (pod, model, DP rank).
+
+    Args:
+        has_replay: the publisher has a replay endpoint the shard can ask.
+
+    Every input method returns the list of actions to perform in order.  When
+    a :class:`Replay` or :class:`Confirm` is returned it is the last action;
+    the caller must then answer (``replayed``... ``replay_end``, or
+    ``confirmed``) before giving this sequencer any other input.
+    """
+
+    __slots__ = (
+        "has_replay", "last", "last_ts", "exact", "lost", "suspect", "complete",
+        "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
+        "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
+    )
+
+    #: replayed-batch timestamps kept to recognise duplicates (bounded)
+    MAX_REMEMBERED = 50_000
+
+    def __init__(self, has_replay: bool) -> None:
+        self.has_replay = has_replay
+        self.last: int | None = None  # last applied seq
+        self.last_ts: float | None = None
+        self.exact = False  # applied state == engine state as of ``last``
+        self.lost = False  # messages after ``last`` may have been lost
+        self.suspect = False  # the connection dropped since ``last``
+        self.complete = False
+        self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
+        self._replay_max = -1
+        self._holes: list[tuple[int, int]] = []  # seq ranges a replay could not deliver
+        self._candidate: tuple[str, Batch] | None = None  # ("back" | "fwd", batch) awaiting confirmation
+        self._pending: Batch | None = None  # the live batch waiting for a replay / check
+        self._op: str | None = None  # what the outstanding Replay / Confirm is for
+        self._r_start = 0
+        self._r_first: int | None = None
+        self._r_count = 0
+        self._r_cleared = False
+        self._resync_due = False
+        self._r_verify: tuple[int, float | None] | None = None  # (seq, ts) the replay's first batch must be
+        self._r_restart = False
+
+    # ------------------------------------------------------------ helpers
+
+    def _set_complete(self, out: list[Action], why: str) -> None:
+        c = self.exact and not self.lost
+        if c != self.complete:
+            self.complete = c
+            out.append(Complete(c, why))
+
+    def _apply(self, out: list[Action], b: Batch, replayed: bool = False) -> None:
+        self.last = b.seq
+        self.last_ts = b.ts
+        if b.resets:
+            self.exact = True  # AllBlocksCleared: the engine's state is known from here
+        if b.lossy:
+            self.exact = False
+        out.append(Apply(b, replayed))
+
+    def _clear(self, out: list[Action], why: str) -> None:
+        out.append(Clear(why))
+        self.last = self.last_ts = None
+        self._replayed.clear()
+        self._replay_max = -1
+        self._holes.clear()
+        self.exact = False
+
+    def _start_replay(self, out: list[Action], op: str, start: int) -> list[Action]:
+        self._op = op
+        self._r_verify = None
+        self._r_restart = False
+        if op in ("gap", "resync") and self.last is not None and start == self.last + 1:
+            # ask from our last batch too: the same process still has it with the same timestamp,
+            # so a restart whose new seqs passed ours is caught here
+            start = self.last
+            self._r_verify = (self.last, self.last_ts)
+        self._r_start = start
+        self._r_first = None
+        self._r_count = 0
+        self._r_cleared = False
+        out.append(Count("replay_requests"))
+        out.append(Replay(start))
+        return out
+
+    def _in_hole(self, seq: int) -> bool:
+        return any(lo <= seq <= hi for lo, hi in self._holes)
+
+    def _forget_passed(self, seq: int) -> None:
+        if seq > self._replay_max:
+            self._replayed.clear()
+            self._holes.clear()
+
+    # ------------------------------------------------------------- inputs
+
+    def live(self, b: Batch | None, seq: int | None = None) -> list[Action]:
+        """A live message: its decoded batch, or None (with its ``seq``) when its payload was unreadable.
+
+        An unreadable message does not move the sequence: its seq cannot be
+        trusted, and if it was the engine's, the next message reveals the gap
+        and the replay fetches it.
+        """
+        out: list[Action] = []
+        if b is None:
+            return out
+        cand = self._candidate
+        if cand is not None:
+            kind, cb = cand
+            if b.seq == cb.seq + 1:
+                self._candidate = None
+                if kind == "back":
+                    out.append(Count("restarts"))
+                    self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
+                    self._apply(out, cb)
+                    self.exact = cb.seq == 0 or cb.resets
+                else:
+                    out.append(Count("gaps_unrecovered"))
+                    self.exact = False
+                    self._apply(out, cb)
+                self.lost = False
+                self._apply(out, b)
+                self._set_complete(out, "restart" if kind == "back" else "unrecovered gap")
+                return out
+            if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
+                self._candidate = None  # our sequence continues: the candidate was not the engine's
+                out.append(Count("unconfirmed"))
+                if b.seq == cb.seq:
+                    return out  # the same message again
+        if self.suspect and self.last is not None:
+            self.suspect = False
+            if b.seq != self.last + 1:
+                self._pending = b
+                if not self.has_replay:
+                    # cannot tell a restart from a blip: forget, then take this message as a fresh start
+                    self._pending = None
+                    out.append(Count("restarts"))
+                    self._clear(out, f"seq {b.seq} after {self.last} following a disconnect; no replay endpoint")
+                    return out + self._fresh(b)
+                self._op = "confirm-live"
+                out.append(Count("replay_requests"))
+                out.append(Confirm(self.last))
+                return out
+        if self.last is None:
+            return out + self._fresh(b)
+        if b.seq == self.last + 1:
+            self._apply(out, b)
+            self._forget_passed(b.seq)
+            self._set_complete(out, "in sequence")
+            return out
+        if b.seq <= self.last:
+            return out + self._backward(b)
+        # a gap
+        out.append(Count("gaps"))
+        if self.has_replay:
+            self._pending = b
+            return self._start_replay(out, "gap", self.last + 1)
+        self._candidate = ("fwd", b)
+        return out
+
+    def _fresh(self, b: Batch) -> list[Action]:
+        """First message of a stream we hold nothing of (new, or cleared)."""
+        out: list[Action] = []
+        if b.seq == 0:
+            self.exact = True
+            self.lost = False
+            self._apply(out, b)
+            self._set_complete(out, "started at seq 0")
+            return out
+        if self.has_replay:
+            self._pending = b
+            return self._start_replay(out, "fresh", 0)
+        # joined late without a replay: what came before is unknown
+        self.exact = False
+        self._apply(out, b)
+        self._set_complete(out, "joined late without replay")
+        return out
+
+    def _backward(self, b: Batch) -> list[Action]:
+        out: list[Action] = []
+        if self._replayed.get(b.seq) == b.ts:
+            out.append(Count("duplicates"))
+            return out
+        if self._in_hole(b.seq):
+            out.append(Count("stale"))
+            return out
+        if self.has_replay:
+            self._pending = b
+            self._op = "confirm-back"
+            out.append(Count("replay_requests"))
+            out.append(Confirm(self.last))  # type: ignore[arg-type]
+            return out
+        self._candidate = ("back", b)
+        return out
+
+    def replayed(self, b: Batch | None, seq: int | None = None) -> list[Action]:
+        """One batch of the replay in progress (None with its ``seq`` when unreadable)."""
+        out: list[Action] = []
+        s = b.seq if b is not None else seq
+        if s is None:
+            return out
+        self._r_count += 1
+        first = self._r_first is None
+        if first:
+            self._r_first = s
+        if self._r_restart:
+            return out  # a new process: replayed again from its seq 0 at the end
+        if first and self._r_verify is not None and s == self._r_verify[0]:
+            if b is not None and b.ts == self._r_verify[1]:
+                return out  # our last batch: the same process
+            out.append(Count("restarts"))
+            self._clear(out, f"the engine's batch {s} is not the one applied: a new process")
+            self._r_restart = True
+            return out
+        if b is None:
+            return out  # a hole: the next readable batch will show it
+        out.append(Count("replayed_batches"))
+        if self.last is not None and b.seq <= self.last:
+            return out
+        expected = self._r_start if self.last is None else self.last + 1
+        if b.seq > expected:
+            # the buffer no longer holds expected..seq-1: rebuild from what it holds
+            out.append(Count("gaps_unrecovered"))
+            if self.last is not None or self._r_cleared:
+                self._clear(out, f"seq {expected}..{b.seq - 1} lost; rebuilding from the engine's buffer")
+            self._holes.append((expected, b.seq - 1))
+            self.exact = False
+        elif self.last is None and b.seq == 0:
+            self.exact = True
+        self._r_cleared = True
+        self._replayed[b.seq] = b.ts
+        if len(self._replayed) > self.MAX_REMEMBERED:
+            for k in sorted(self._replayed)[: len(self._replayed) // 2]:
+                del self._replayed[k]
+        self._replay_max = max(self._replay_max, b.seq)
+        self._apply(out, b, replayed=True)
+        return out
+
+    def replay_end(self, ok: bool) -> list[Action]:
+        """The replay in progress ended: ``ok`` when its end marker came, False on timeout or error."""
+        out: list[Action] = []
+        if self._r_restart:
+            self._r_restart = False
+            return self._start_replay(out, "restart", 0)  # keeps the pending batch
+        op, self._op = self._op, None
+        pending, self._pending = self._pending, None
+        if ok:
+            self.lost = False  # we now have everything the engine published up to its newest batch
+            if self._candidate is not None and self._r_count > 0:
+                self._candidate = None  # the engine's buffer is the authority now
+                out.append(Count("unconfirmed"))
+        else:
+            out.append(Count("replay_failures"))
+            if op in ("gap", "fresh"):
+                out.append(Count("gaps_unrecovered"))
+                self.exact = False
+        if pending is not None:
+            if self.last is None:
+                # nothing usable came back (an empty buffer, or the replay failed): what
+                # came before this message is unknown
+                self.exact = pending.seq == 0
+                self._apply(out, pending)
+            elif pending.seq <= self.last:
+                if self._replayed.get(pending.seq) == pending.ts:
+                    out.append(Count("duplicates"))
+                else:
+                    out.append(Count("stale" if self._in_hole(pending.seq) else "unconfirmed"))
+            elif pending.seq == self.last + 1:
+                self._apply(out, pending)
+            elif ok and self._r_count > 0:
+                out.append(Count("unconfirmed"))  # beyond the engine's newest batch
+            else:
+                # no buffer to check against (or the check failed): the next message decides
+                self._candidate = ("fwd", pending)
+        self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
+        return out
+
+    def confirmed(self, same: bool | None) -> list[Action]:
+        """Answer to :class:`Confirm`: True = the process we know; False = another; None = could not ask."""
+        out: list[Action] = []
+        op, self._op = self._op, None
+        pending, self._pending = self._pending, None
+        if same is None:
+            out.append(Count("replay_failures"))
+            if pending is not None:
+                if op == "confirm-live" and pending.seq > (self.last or 0):
+                    self._candidate = ("fwd", pending)
+                else:
+                    self._candidate = ("back", pending)
+            else:
+                self.lost = True
+                self._set_complete(out, "reconnect check failed")
+            return out
+        if same:
+            if pending is not None and pending.seq <= (self.last if self.last is not None else -1):
+                out.append(Count("unconfirmed"))  # a message that is not the engine's
+                pending = None
+            # catch up on what was missed (a gap, or the disconnect)
+            self._pending = pending
+            return self._start_replay(out, "gap", self.last + 1)  # type: ignore[operator]
+        out.append(Count("restarts"))
+        self._clear(out, "a different engine process answered")
+        self._pending = pending
+        return self._start_replay(out, "restart", 0)
+
+    def dropped(self) -> list[Action]:
+        """A message of this pod was dropped (full queue): the stream may miss batches."""
+        out: list[Action] = []
+        if self.last is not None:
+            self.lost = True
+            self._resync_due = True
+            self._set_complete(out, "message dropped")
+        return out
+
+    def disconnected(self) -> list[Action]:
+        """The connection to the publisher dropped: messages may be lost, the engine may restart."""
+        out: list[Action] = []
+        if self.last is not None:
+            self.suspect = True
+            self.lost = True
+            self._set_complete(out, "disconnected")
+        return out
+
+    def reconnected(self) -> list[Action]:
+        """The connection is back: check the publisher before anything else is applied."""
+        out: list[Action] = []
+        if not self.suspect:
+            return out
+        self.suspect = False
+        if not self.has_replay:
+            out.append(Count("restarts"))
+            self._clear(out, "reconnected; no replay endpoint to verify it is the same process")
+            self.lost = True  # what the engine holds now is unknown
+            self._set_complete(out, "reconnect without replay")
+            return out
+        self._op = "confirm-reconnect"
+        out.append(Count("replay_requests"))
+        out.append(Confirm(self.last))  # type: ignore[arg-type]
+        return out
+
+    def bootstrap(self) -> list[Action]:
+        """The subscriber connected for the first time: take what the engine still buffers."""
+        out: list[Action] = []
+        if not self.has_replay or self._candidate is not None:
+            return out
+        return self._start_replay(out, "bootstrap", 0 if self.last is None else self.last + 1)
+
+    def idle(self) -> list[Action]:
+        """The shard's queue is empty: replay what a drop may have lost (resync)."""
+        out: list[Action] = []
+        if self._resync_due and self.lost and self.has_replay and not self.suspect and self._candidate is None:
+            self._resync_due = False
+            out.append(Count("resyncs"))
+            start = 0 if self.last is None else self.last + 1
+            if start < 2**64 - 1:
+                return self._start_replay(out, "resync", start)
+        return out

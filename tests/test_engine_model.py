@@ -1,0 +1,321 @@
+"""The index converges to what each engine holds, whatever the write path loses, repeats or reorders.
+
+A hypothesis state machine whose model is a set of engines
+(:class:`tests.engine_model.ModelEngine`: blocks per tier, a seq counter, a
+replay buffer of the last N batches served on a real ZMQ ROUTER socket,
+restarts, evictions).  Its steps publish batches and inject faults: message
+loss, duplicate delivery, reordering inside a shard queue, bursts beyond the
+pool's queue bound (and beyond the subscriber's receive high-water mark in
+the ZMQ variant), replay buffers too short to cover a gap, engine restarts
+with and without the router noticing a reconnect, malformed messages and
+events, hostile sequence numbers.
+
+After the system settles (held messages delivered, a flush, one more message
+per engine, a flush), per publisher (pod, model, DP rank) and tier:
+
+- the index holds no block copy the engine does not hold;
+- a stream the pool reports complete is held exactly;
+- a stream whose engine's replay buffer still holds every batch of its
+  process, with no malformed event since its last clear, is complete (so the
+  checks above cannot pass by giving up);
+- with no fault injected, every stream is complete and held exactly.
+
+The index implementation is a parameter (``index_factory``): every backend
+must pass the same test.
+
+One documented limit of any sequence-based write path is left out of the
+model: an engine restart the router does not see, whose new process's first
+messages are all lost and whose next seq happens to equal the old process's
+next one, is indistinguishable from the old process.  Unnoticed restarts
+here therefore deliver the new process's first batch.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import hypothesis.strategies as st
+import pytest
+import zmq
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
+
+from kvevents.pool import EventPool, RawMessage, Source
+from kvevents.subscriber import EngineEndpoint, Subscriber
+from kvindex.index import KVBlockIndex
+from kvindex.keys import TokenProcessor
+from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer
+from tests.oracle import batch_payload, seq_frame, stored_event
+
+BS = 4
+PATHS = Paths.make(21, block_size=BS, n_paths=8, n_blocks=5)
+TP = TokenProcessor(block_size=BS, hash_seed=9)
+RK2EK = {m: PATHS.rk_to_ek(TP, m) for m in ("m1", "m2")}
+QUEUE = 24
+
+# (pod, model, DP rank): two ranks of one pod, a second model on that pod, another pod
+PUBLISHERS = [("pod-a", "m1", 0), ("pod-a", "m1", 1), ("pod-a", "m2", 0), ("pod-b", "m1", 0)]
+ZMQ_PUBLISHERS = [("pod-a", "m1", 0), ("pod-a", "m1", 1), ("pod-b", "m2", 0)]
+
+IndexFactory = Callable[[TokenProcessor], KVBlockIndex]
+
+
+@pytest.fixture(params=[KVBlockIndex], ids=["python"])
+def index_factory(request: pytest.FixtureRequest) -> IndexFactory:
+    """Builds the index under test (every index backend is a param here)."""
+    return lambda tp: request.param(tp, capacity=1_000_000)
+
+
+def view(index: KVBlockIndex, e: ModelEngine) -> set[tuple[int, str]]:
+    """(engine key, tier) of the copies the index says publisher ``e`` holds."""
+    rk2ek = RK2EK[e.model]
+    out = set()
+    keys = list(rk2ek)
+    for rk, entries in zip(keys, index.lookup(keys)):
+        for x in entries:
+            if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
+                out.add((rk2ek[rk], x.tier))
+    return out
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Engines -> (faults) -> EventPool -> index; replay over real ZMQ ROUTER sockets."""
+
+    index_factory: IndexFactory = staticmethod(lambda tp: KVBlockIndex(tp))  # type: ignore[assignment]
+    publishers = PUBLISHERS
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = self.index_factory(TP)
+        self.engines: list[ModelEngine] = []
+        self.server: ReplayServer | None = None
+        self.pool = EventPool(self.index, concurrency=2, queue_size=QUEUE, replay_timeout=3.0)
+        self.pool.start()
+        self.held: list[tuple[ModelEngine, tuple[bytes, bytes, bytes]]] = []
+        self.faults: Counter[str] = Counter()
+
+    # -- plumbing
+
+    def setup_engines(self, buffers: list[int]) -> None:
+        self.engines = [
+            ModelEngine(pod, model, rank, PATHS, buffer_steps=b, capacity=12)
+            for (pod, model, rank), b in zip(self.publishers, buffers)
+        ]
+        self.server = ReplayServer(self.engines)
+
+    def source(self, e: ModelEngine) -> Source:
+        return Source(pod=e.pod, replay=self.server.endpoint(e), model=e.model)  # type: ignore[union-attr]
+
+    def send(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
+        return self.pool.submit(RawMessage(self.source(e), *frames))
+
+    def send_surely(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> None:
+        deadline = time.monotonic() + 30
+        while not self.send(e, frames):
+            assert time.monotonic() < deadline
+            self.pool.flush(10)
+
+    def teardown(self) -> None:
+        try:
+            if self.engines:
+                self.settle_and_check()
+        finally:
+            self.pool.stop()
+            if self.server is not None:
+                self.server.close()
+
+    # -- steps
+
+    @initialize(buffers=st.lists(st.integers(2, 60), min_size=len(PUBLISHERS), max_size=len(PUBLISHERS)))
+    def start(self, buffers: list[int]) -> None:
+        self.setup_engines(buffers)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32), ops=st.integers(1, 3),
+          how=st.sampled_from(["ok"] * 6 + ["lose", "dup", "hold", "bad_event"]))
+    def publish(self, data: st.DataObject, seed: int, ops: int, how: str) -> None:
+        e = data.draw(st.sampled_from(self.engines))
+        events = e.random_events(random.Random(seed), ops)
+        if how == "bad_event":
+            frames = e.publish(events, extra_raw=[(random.Random(seed).randrange(len(events) + 1), MALFORMED_EVENT)])
+            e.bad_event_batches += 1
+        else:
+            frames = e.publish(events)
+        if how != "ok":
+            self.faults[how] += 1
+        if how == "lose":
+            return
+        if how == "hold":
+            self.held.append((e, frames))
+            return
+        if not self.send(e, frames):
+            self.faults["drop"] += 1
+        if how == "dup" and not self.send(e, frames):
+            self.faults["drop"] += 1
+        # a held message goes after the next one: reordered inside the shard queue
+        for he, hf in [h for h in self.held if h[0] is e]:
+            self.held.remove((he, hf))
+            if not self.send(he, hf):
+                self.faults["drop"] += 1
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32), n=st.integers(QUEUE, 4 * QUEUE))
+    def burst(self, data: st.DataObject, seed: int, n: int) -> None:
+        """More messages at once than the shard queue holds: some are dropped."""
+        e = data.draw(st.sampled_from(self.engines))
+        rnd = random.Random(seed)
+        self.faults["burst"] += 1
+        for _ in range(n):
+            if not self.send(e, e.publish(e.random_events(rnd, 1))):
+                self.faults["drop"] += 1
+
+    @rule(data=st.data())
+    def restart_noticed(self, data: st.DataObject) -> None:
+        """The engine restarts; the subscriber sees the connection drop and come back."""
+        e = data.draw(st.sampled_from(self.engines))
+        self.faults["restart_noticed"] += 1
+        self.pool.disconnected(e.pod, e.dp_rank)
+        e.restart()
+        self.pool.reconnected(e.pod, e.dp_rank)
+
+    @rule(data=st.data(), seed=st.integers(0, 2**32))
+    def restart_unnoticed(self, data: st.DataObject, seed: int) -> None:
+        """The engine restarts behind the router's back; its first batch arrives (see module doc)."""
+        e = data.draw(st.sampled_from(self.engines))
+        self.faults["restart_unnoticed"] += 1
+        e.restart()
+        self.send_surely(e, e.publish(e.random_events(random.Random(seed), 1)))
+
+    @rule(data=st.data(), kind=st.sampled_from(["unreadable", "huge", "backward", "ahead"]))
+    def hostile(self, data: st.DataObject, kind: str) -> None:
+        """A message that is not the engine's: unreadable, or well formed with a seq no process published."""
+        e = data.draw(st.sampled_from(self.engines))
+        self.faults["hostile_" + kind] += 1
+        ev = stored_event([PATHS.ek(7, 0)], None, PATHS.tokens(7, 0, 1), BS)
+        payload = batch_payload([ev], dp_rank=e.dp_rank, ts=1.0)
+        if kind == "unreadable":
+            frames = (e.topic, seq_frame(e.next_seq), b"\x93\xc1junk")
+        elif kind == "huge":
+            frames = (e.topic, seq_frame(2**64 - 2), payload)
+        elif kind == "backward":
+            frames = (e.topic, seq_frame(max(0, e.next_seq - 1 - data.draw(st.integers(0, 3)))), payload)
+        else:
+            frames = (e.topic, seq_frame(e.next_seq + data.draw(st.integers(1, 1000))), payload)
+        if kind == "backward" and e.next_seq == 0:
+            return
+        self.send(e, frames)
+
+    @rule()
+    def flush(self) -> None:
+        assert self.pool.flush(30)
+
+    @rule()
+    def check(self) -> None:
+        self.settle_and_check()
+
+    # -- settling and the invariants
+
+    def deliver_held(self) -> None:
+        for e, frames in self.held:
+            self.send_surely(e, frames)
+        self.held.clear()
+
+    def settle(self) -> None:
+        self.deliver_held()
+        assert self.pool.flush(30)
+        for e in self.engines:
+            self.send_surely(e, e.publish([]))  # one more message per engine
+        assert self.pool.flush(30)
+
+    def settle_and_check(self) -> None:
+        self.settle()
+        states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+        faulted = bool(self.faults)
+        for e in self.engines:
+            got, want = view(self.index, e), e.view()
+            st_ = states[(e.pod, e.model, e.dp_rank)]
+            where = f"{e.pod}/{e.model}/rank {e.dp_rank} faults={dict(self.faults)} state={st_}"
+            assert got <= want, f"{where}: holds blocks the engine does not: {sorted(got - want)}"
+            if st_.complete:
+                assert got == want, f"{where}: complete but misses {sorted(want - got)}"
+            if e.covers_everything() and e.bad_event_batches == 0:
+                assert st_.complete, f"{where}: the engine's buffer covers everything, yet incomplete"
+            if not faulted:
+                assert st_.complete and got == want, where
+        assert self.pool.stats().errors_by_kind.get("internal", 0) == 0
+
+
+class ZmqEngineMachine(EngineMachine):
+    """The same model over real PUB/SUB sockets through the Subscriber, with a small receive high-water mark."""
+
+    publishers = ZMQ_PUBLISHERS
+    RCVHWM = 8
+
+    def setup_engines(self, buffers: list[int]) -> None:
+        super().setup_engines(buffers)
+        self.ctx = zmq.Context.instance()
+        self.pubs: dict[int, zmq.Socket] = {}
+        endpoints = []
+        for e in self.engines:
+            s = self.ctx.socket(zmq.PUB)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 64)
+            s.bind("tcp://127.0.0.1:*")
+            self.pubs[id(e)] = s
+            endpoints.append(EngineEndpoint(
+                endpoint=s.getsockopt_string(zmq.LAST_ENDPOINT), pod=e.pod,
+                replay_endpoint=self.server.endpoint(e), dp_rank=e.dp_rank, model=e.model,  # type: ignore[union-attr]
+            ))
+        self.sub = Subscriber(self.pool, endpoints, rcvhwm=self.RCVHWM)
+        self.sub.start()
+
+    @initialize(buffers=st.lists(st.integers(2, 60), min_size=len(ZMQ_PUBLISHERS), max_size=len(ZMQ_PUBLISHERS)))
+    def start(self, buffers: list[int]) -> None:
+        self.setup_engines(buffers)
+
+    def send(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
+        try:
+            self.pubs[id(e)].send_multipart(list(frames), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def send_surely(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> None:
+        self.send(e, frames)  # PUB/SUB may still lose it; settle() repeats until every stream is current
+
+    def settle(self) -> None:
+        self.deliver_held()
+        deadline = time.monotonic() + 30
+        while True:
+            for e in self.engines:
+                self.send(e, e.publish([]))
+            time.sleep(0.02)
+            assert self.pool.flush(30)
+            last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}
+            if all(last.get((e.pod, e.model, e.dp_rank)) == e.next_seq - 1 for e in self.engines):
+                break
+            assert time.monotonic() < deadline, f"streams not current: {last}"
+        assert self.pool.flush(30)
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self.engines:
+                self.sub.stop()
+                for s in self.pubs.values():
+                    s.close(linger=0)
+
+
+COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+
+
+def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
+    machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
+    run_state_machine_as_test(machine, settings=settings(max_examples=120, stateful_step_count=40, **COMMON))
+
+
+def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:
+    machine = type("Machine", (ZmqEngineMachine,), {"index_factory": staticmethod(index_factory)})
+    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=25, **COMMON))

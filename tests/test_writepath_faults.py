@@ -1,0 +1,442 @@
+"""Regression tests for the write-path faults of issue 6, one per fault, through the real pool and index.
+
+Replay endpoints are real ZMQ ROUTER sockets (:class:`tests.engine_model.ReplayServer`)
+serving model engines' buffers as vLLM does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from indexer import Indexer
+from kvevents.pool import EventPool, RawMessage, Source
+from kvindex.index import KVBlockIndex
+from kvindex.keys import TokenProcessor
+from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer
+from tests.oracle import batch_payload, removed_event, seq_frame, stored_event
+
+BS = 4
+PATHS = Paths.make(11, block_size=BS, n_paths=12, n_blocks=3)
+TP = TokenProcessor(block_size=BS, hash_seed=5)
+
+
+class Rig:
+    """Model engines with real replay endpoints -> EventPool -> KVBlockIndex."""
+
+    def __init__(self, *engines: ModelEngine, replay: bool = True, queue_size: int = 10_000) -> None:
+        self.engines = list(engines)
+        self.index = KVBlockIndex(TP)
+        self.server = ReplayServer(self.engines) if replay else None
+        self.pool = EventPool(self.index, concurrency=2, queue_size=queue_size, replay_timeout=2.0)
+        self.pool.start()
+
+    def source(self, e: ModelEngine) -> Source:
+        ep = self.server.endpoint(e) if self.server is not None else None
+        return Source(pod=e.pod, replay=ep, model=e.model)
+
+    def deliver(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
+        return self.pool.submit(RawMessage(self.source(e), *frames))
+
+    def view(self, e: ModelEngine) -> set[tuple[int, str]]:
+        """(engine key, tier) the index says ``e``'s publisher holds."""
+        rk2ek = PATHS.rk_to_ek(TP, e.model)
+        out = set()
+        for rk, entries in zip(rk2ek, self.index.lookup(list(rk2ek))):
+            for x in entries:
+                if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
+                    out.add((rk2ek[rk], x.tier))
+        return out
+
+    def state(self, e: ModelEngine):
+        return next(s for s in self.pool.completeness(e.pod) if s.model == e.model and s.dp_rank == e.dp_rank)
+
+    def close(self) -> None:
+        self.pool.stop()
+        if self.server is not None:
+            self.server.close()
+
+
+@pytest.fixture
+def rigs() -> Iterator[list[Rig]]:
+    made: list[Rig] = []
+    yield made
+    for r in made:
+        r.close()
+
+
+def store(e: ModelEngine, p: int, i: int = 0, j: int | None = None) -> list:
+    """Events of ``e`` storing blocks i..j of path p (applied to the engine)."""
+    j = PATHS.n_blocks(p) if j is None else j
+    eks = [PATHS.ek(p, b) for b in range(i, j)]
+    for ek in eks:
+        e.held.setdefault(ek, set()).add("gpu")
+    return [stored_event(eks, PATHS.ek(p, i - 1) if i else None, PATHS.tokens(p, i, j), BS)]
+
+
+def remove(e: ModelEngine, eks: list[int]) -> list:
+    for ek in eks:
+        e._drop(ek, "gpu")
+    return [removed_event(eks)]
+
+
+# ---------------------------------------------------------------- partial replay coverage
+
+
+def test_gap_the_buffer_only_partly_covers_clears_and_rebuilds(rigs: list[Rig]) -> None:
+    """A block removed inside the lost range must not stay in the index for good."""
+    e = ModelEngine("pod-a", "m", 0, PATHS, buffer_steps=3)
+    rig = Rig(e)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    e.publish(remove(e, [PATHS.ek(0, 2)]))  # lost, and out of the buffer below
+    e.publish(store(e, 1))  # lost, and out of the buffer
+    frames = [e.publish(store(e, p)) for p in (2, 3, 4)]
+    rig.deliver(e, frames[-1])
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.gaps == 1 and s.gaps_unrecovered == 1 and s.restarts == 0 and s.replay_requests == 1
+    got = rig.view(e)
+    assert (PATHS.ek(0, 2), "gpu") not in got  # the removed block is gone
+    assert got <= e.view()
+    # rebuilt from what the buffer holds: paths 2..4 (whose chains are whole)
+    assert got == {(PATHS.ek(p, i), "gpu") for p in (2, 3, 4) for i in range(3)}
+    assert not rig.state(e).complete
+
+
+def test_stale_queued_messages_after_a_partial_replay_are_not_restarts(rigs: list[Rig]) -> None:
+    """The issue's minimal form: buffer 5..9; live 0, 2, 3, 4 arrive (1 is lost).
+
+    One replay and no restart; batch 1 is lost for good (what it removed is
+    unknown), so the stream is rebuilt from the buffer, marked incomplete, and
+    the queued 2, 3, 4 are counted stale.
+    """
+    e = ModelEngine("pod-a", "m", 0, PATHS, buffer_steps=5)
+    rig = Rig(e)
+    rigs.append(rig)
+    frames = [e.publish(store(e, p)) for p in range(10)]
+    for seq in (0, 2, 3, 4):
+        rig.deliver(e, frames[seq])
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.replay_requests == 1 and s.restarts == 0 and s.clears == 0
+    assert s.stale == 3 and s.gaps_unrecovered == 1
+    assert rig.view(e) == {(PATHS.ek(p, i), "gpu") for p in range(5, 10) for i in range(3)}
+    assert not rig.state(e).complete
+    # the live stream catches up: still no restart, nothing re-replayed
+    for seq in range(5, 10):
+        rig.deliver(e, frames[seq])
+    rig.deliver(e, e.publish(store(e, 10)))
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.replay_requests == 1 and s.restarts == 0 and s.duplicates == 5
+
+
+def test_stale_messages_under_a_burst_settle_with_one_replay(rigs: list[Rig]) -> None:
+    """A burst beyond the queue bound: queued messages older than a replay are duplicates, never restarts."""
+    e = ModelEngine("pod-a", "m", 0, PATHS, buffer_steps=10_000)
+    rig = Rig(e, queue_size=50)
+    rigs.append(rig)
+    dropped = 0
+    for n in range(2_000):
+        p = n % len(PATHS.paths)
+        events = store(e, p) if n % 2 == 0 else remove(e, [PATHS.ek(p - 1 if p else 0, 0)])
+        dropped += not rig.deliver(e, e.publish(events))
+    rig.deliver(e, e.publish([]))
+    assert rig.pool.flush(30)
+    s = rig.pool.stats()
+    assert dropped > 0 and s.restarts == 0 and s.clears == 0
+    assert s.replay_requests <= 2 + s.gaps  # one per gap (and the resync), not one per queued message
+    assert rig.view(e) == e.view()
+    assert rig.state(e).complete
+
+
+# ---------------------------------------------------------------- per-event decode
+
+
+def test_a_malformed_event_does_not_drop_the_valid_removal_beside_it(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    rig.deliver(e, e.publish(remove(e, [PATHS.ek(0, 2)]), extra_raw=[(0, MALFORMED_EVENT)]))
+    assert rig.pool.flush(10)
+    assert rig.view(e) == e.view() == {(PATHS.ek(0, i), "gpu") for i in range(2)}
+    s = rig.pool.stats()
+    assert s.errors_by_kind.get("schema") == 1 and s.batches == 2
+    assert not rig.state(e).complete  # what the bad event meant is unknown
+
+
+# ---------------------------------------------------------------- orphans stored twice
+
+
+def test_a_block_stored_twice_under_an_unknown_parent_then_removed_twice_stays_removed() -> None:
+    """vLLM can hold two physical blocks with one hash: two stores, two removals, then the parent arrives."""
+    ix = KVBlockIndex(TP)
+    parent, child = PATHS.ek(0, 0), PATHS.ek(0, 1)
+    for _ in range(2):
+        assert ix.block_stored("p", 0, [child], parent, PATHS.tokens(0, 1, 2), "gpu", model="m") == 0
+    assert ix.block_removed("p", 0, [child], "gpu", model="m") == 1
+    ix.block_removed("p", 0, [child], "gpu", model="m")
+    ix.block_stored("p", 0, [parent], None, PATHS.tokens(0, 0, 1), "gpu", model="m")
+    rks = TP.request_keys(list(PATHS.tokens(0, 0, 2)), model="m")
+    assert ix.prefix_match(rks) == {"p": [1]}
+    assert ix.stats().orphan_blocks == 0
+
+
+# ---------------------------------------------------------------- hostile seqs
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_one_huge_seq_does_not_wipe_the_pod(rigs: list[Rig], replay: bool) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay=replay)
+    rigs.append(rig)
+    for p in range(3):
+        rig.deliver(e, e.publish(store(e, p)))
+    hostile = stored_event([PATHS.ek(9, 0)], None, PATHS.tokens(9, 0, 1), BS)
+    rig.deliver(e, (e.topic, seq_frame(2**64 - 2), batch_payload([hostile], dp_rank=0)))
+    for p in range(3, 5):
+        rig.deliver(e, e.publish(store(e, p)))
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.restarts == 0 and s.clears == 0 and s.unconfirmed == 1
+    assert rig.view(e) == e.view()  # the hostile block is not held, the engine's are
+    if replay:
+        assert rig.state(e).complete
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_one_backward_seq_does_not_wipe_the_pod(rigs: list[Rig], replay: bool) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay=replay)
+    rigs.append(rig)
+    for p in range(4):
+        rig.deliver(e, e.publish(store(e, p)))
+    hostile = removed_event([PATHS.ek(0, 0)])
+    rig.deliver(e, (e.topic, seq_frame(0), batch_payload([hostile], dp_rank=0, ts=5.0)))
+    rig.deliver(e, e.publish(store(e, 4)))
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.restarts == 0 and s.clears == 0
+    assert rig.view(e) == e.view()
+
+
+def test_a_real_restart_is_still_caught_without_a_replay_endpoint(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay=False)
+    rigs.append(rig)
+    for p in range(4):
+        rig.deliver(e, e.publish(store(e, p)))
+    e.restart()
+    rig.deliver(e, e.publish(store(e, 5)))
+    assert rig.pool.flush(10)
+    assert rig.pool.stats().restarts == 0  # one message cannot tell
+    rig.deliver(e, e.publish(store(e, 6)))  # the next one continues it: confirmed
+    assert rig.pool.flush(10)
+    assert rig.pool.stats().restarts == 1
+    assert rig.view(e) == e.view()
+    assert rig.state(e).complete  # caught from its seq 0
+
+
+def test_a_restart_whose_seqs_passed_ours_is_caught_by_the_gap_replay(rigs: list[Rig]) -> None:
+    """The router missed the restart and the new process's first messages: its replay buffer gives it away."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    for p in range(2):
+        rig.deliver(e, e.publish(store(e, p)))
+    e.restart()
+    for p in range(2, 6):
+        frames = e.publish(store(e, p))
+    rig.deliver(e, frames)  # seq 3 of the new process after seq 1 of the old: a gap
+    assert rig.pool.flush(10)
+    assert rig.pool.stats().restarts == 1
+    assert rig.view(e) == e.view()
+    assert rig.state(e).complete
+
+
+# ---------------------------------------------------------------- two models on one pod
+
+
+def test_two_models_on_one_pod_are_two_streams(rigs: list[Rig]) -> None:
+    a = ModelEngine("pod-a", "model-a", 0, PATHS)
+    b = ModelEngine("pod-a", "model-b", 0, PATHS)
+    rig = Rig(a, b)
+    rigs.append(rig)
+    for n in range(6):  # interleaved, each with its own seq from 0, the same tokens
+        rig.deliver(a, a.publish(store(a, n)))
+        rig.deliver(b, b.publish(store(b, n)))
+    rig.deliver(a, a.publish(remove(a, [PATHS.ek(0, 2), PATHS.ek(1, 2)])))
+    rig.deliver(b, b.publish(remove(b, [PATHS.ek(2, 2)])))
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.restarts == 0 and s.gaps == 0 and s.replay_requests == 0
+    assert rig.view(a) == a.view() and rig.view(b) == b.view()
+    assert a.view() != b.view()
+    assert [(x.model, x.complete) for x in rig.pool.completeness("pod-a")] == [("model-a", True), ("model-b", True)]
+    # the same tokens under two models: each model's request keys see its own copy
+    for p in range(6):
+        for m, e in (("model-a", a), ("model-b", b)):
+            rks = TP.request_keys(list(PATHS.paths[p]), model=m)
+            n = len(rig.index.prefix_match(rks).get("pod-a", []))
+            want = next((i for i in range(3) if (PATHS.ek(p, i), "gpu") not in e.view()), 3)
+            assert n == want
+    # an AllBlocksCleared of one model leaves the other's blocks
+    rig.deliver(a, a.publish([{"type": "AllBlocksCleared"}]))
+    a.held.clear()
+    assert rig.pool.flush(10)
+    assert rig.view(a) == set() and rig.view(b) == b.view()
+
+
+def test_level_two_is_scoped_by_model() -> None:
+    ix = KVBlockIndex(TP)
+    ek0 = PATHS.ek(0, 0)
+    ix.block_stored("p", 0, [ek0], None, PATHS.tokens(0, 0, 1), "gpu", model="a")
+    ix.block_stored("q", 0, [ek0], None, PATHS.tokens(0, 0, 1), "gpu", model="b")
+    assert ix.request_key_of(ek0, "a") == int(TP.request_keys(list(PATHS.tokens(0, 0, 1)), model="a")[0])
+    assert ix.request_key_of(ek0, "b") == int(TP.request_keys(list(PATHS.tokens(0, 0, 1)), model="b")[0])
+    # a child under model a on another pod chains from model a's key, not b's
+    ix.block_stored("r", 0, [PATHS.ek(0, 1)], ek0, PATHS.tokens(0, 1, 2), "gpu", model="a")
+    assert ix.prefix_match(TP.request_keys(list(PATHS.tokens(0, 0, 2)), model="a"), ["p", "r"]) == {"p": [1]}
+    assert len(ix.pod_keys("r")) == 1 and ix.stats().orphan_blocks == 0
+    assert ix.pod_keys("r") == {int(TP.request_keys(list(PATHS.tokens(0, 0, 2)), model="a")[1])}
+
+
+def test_a_removal_reaches_a_waiting_store_whose_other_tier_is_attached() -> None:
+    """Found by the engine-model test: gpu store waiting for its parent, cpu copy attached via another pod's key."""
+    ix = KVBlockIndex(TP)
+    ek0, ek1 = PATHS.ek(2, 0), PATHS.ek(2, 1)
+    ix.block_stored("q", 0, [ek0, ek1], None, PATHS.tokens(2, 0, 2), "gpu", model="m")
+    ix.block_removed("q", 0, [ek0], "gpu", model="m")  # q keeps ek1 only: ek0 is unknown now
+    assert ix.block_stored("p", 0, [ek1], ek0, PATHS.tokens(2, 1, 2), "gpu", model="m") == 0  # waits
+    assert ix.block_stored("p", 0, [ek1], None, (), "cpu", model="m") == 1  # offload: known through q
+    assert ix.block_removed("p", 0, [ek1], "gpu", model="m") == 1
+    ix.block_stored("p", 0, [ek0], None, PATHS.tokens(2, 0, 1), "gpu", model="m")  # the parent arrives
+    rk1 = int(TP.request_keys(list(PATHS.tokens(2, 0, 2)), model="m")[1])
+    assert {(x.pod, x.tier) for x in ix.lookup([rk1])[0]} == {("p", "cpu"), ("q", "gpu")}
+
+
+def test_an_orphan_waits_for_its_parent_under_its_own_model() -> None:
+    """Found by the engine-model test: model a's parent released model b's waiting child with a's keys."""
+    ix = KVBlockIndex(TP)
+    ek0, ek1 = PATHS.ek(1, 0), PATHS.ek(1, 1)
+    assert ix.block_stored("p", 0, [ek1], ek0, PATHS.tokens(1, 1, 2), "gpu", model="b") == 0
+    ix.block_stored("q", 0, [ek0], None, PATHS.tokens(1, 0, 1), "gpu", model="a")
+    assert ix.stats().orphan_blocks == 1 and ix.pod_keys("p") == set()
+    ix.block_stored("p", 0, [ek0], None, PATHS.tokens(1, 0, 1), "gpu", model="b")
+    rks_b = TP.request_keys(list(PATHS.tokens(1, 0, 2)), model="b")
+    assert ix.pod_keys("p") == set(rks_b.tolist()) and ix.stats().orphan_blocks == 0
+
+
+# ---------------------------------------------------------------- pod churn
+
+
+def test_pods_that_come_and_go_leave_nothing_behind() -> None:
+    ix = KVBlockIndex(TP)
+    rks = TP.request_keys(list(PATHS.paths[0]), model="m")
+    for gen in range(300):
+        pods = [f"pod-{gen}-{k}" for k in range(4)]
+        for pod in pods:
+            ix.block_stored(pod, 0, [PATHS.ek(0, i) for i in range(3)], None, PATHS.paths[0], "gpu", model="m")
+        assert set(ix.prefix_match(rks)) == set(pods)
+        for k, pod in enumerate(pods):
+            if k % 2:
+                ix.clear(pod)
+            else:
+                ix.block_removed(pod, 0, [PATHS.ek(0, i) for i in range(3)], "gpu", model="m")
+    assert len(ix) == 0 and ix.pods() == frozenset()
+    # the per-pod tables are empty and the pod bits were reused (4 pods at a time)
+    assert not ix._pod_masks and not ix._pod_bits and not ix._streams and not ix._holders
+    assert len(ix._free_bits) <= 4 and max(ix._free_bits) < 1 << 4
+    st = ix.stats()
+    assert st.keys == st.entries == st.engine_keys == st.pods == 0
+
+
+def test_forgotten_pods_free_their_streams_in_the_pool(rigs: list[Rig]) -> None:
+    engines = [ModelEngine(f"pod-{k}", "m", 0, PATHS) for k in range(20)]
+    rig = Rig(*engines)
+    rigs.append(rig)
+    for e in engines:
+        rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10)
+    for e in engines:
+        rig.pool.forget_pod(e.pod)
+    assert rig.pool.flush(10)
+    assert rig.pool.completeness() == [] and len(rig.index) == 0 and not rig.index._pod_bits
+
+
+# ---------------------------------------------------------------- smaller ones
+
+
+def test_empty_float_array_scores_empty() -> None:
+    ix = Indexer()
+    for tokens in (np.array([]), np.array([], dtype=np.float32), []):
+        s = ix.score(tokens)
+        assert s.request_blocks == 0 and s.prefix == {} and s.choice is None
+
+
+def test_old_integer_lora_id_in_extra_keys_is_scoped_not_dropped(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    eks = [PATHS.ek(0, i) for i in range(3)]
+    ev = stored_event(eks, None, PATHS.paths[0], BS, extra_keys=[[7], [7], [7]])
+    rig.deliver(e, e.publish([ev]))
+    assert rig.pool.flush(10)
+    assert rig.pool.stats().decode_errors == 0
+    scoped = TP.request_keys(list(PATHS.paths[0]), model="m", lora="lora_int_id:7")
+    assert rig.index.prefix_match(scoped) == {"pod-a": [1, 1, 1]}
+    # never taken for the base model's blocks
+    assert rig.index.prefix_match(TP.request_keys(list(PATHS.paths[0]), model="m")) == {}
+
+
+# ---------------------------------------------------------------- completeness
+
+
+def test_completeness_after_a_drop_is_restored_by_the_resync(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, queue_size=5)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10)
+    first = rig.state(e)
+    assert first.complete and first.since is not None and first.since <= time.monotonic()
+    delivered = [rig.deliver(e, e.publish(store(e, 1 + n % 8))) for n in range(200)]
+    assert not all(delivered)
+    assert rig.pool.flush(10)  # the resync runs at the flush
+    st = rig.state(e)
+    assert st.complete and st.since > first.since and st.last_seq == e.next_seq - 1
+    assert rig.view(e) == e.view()
+    assert rig.pool.stats().resyncs >= 1
+
+
+def test_completeness_after_a_reconnect_without_replay(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay=False)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10) and rig.state(e).complete
+    rig.pool.disconnected("pod-a")
+    assert rig.pool.flush(10) and not rig.state(e).complete
+    rig.pool.reconnected("pod-a")
+    assert rig.pool.flush(10)
+    st = rig.state(e)
+    assert not st.complete and st.last_seq is None
+    assert rig.view(e) == set()  # cleared: a restarted engine's blocks are never predicted
+
+
+def test_completeness_through_the_indexer_facade() -> None:
+    ix = Indexer(index=KVBlockIndex(TP))
+    with ix:
+        ix.pool.submit(RawMessage(Source(pod="p"), b"kv@p@m", seq_frame(3), batch_payload([])))
+        assert ix.flush(10)
+        (st,) = ix.completeness()
+        assert (st.pod, st.model, st.dp_rank, st.complete) == ("p", "m", 0, False)  # joined late, no replay
+        ix.pool.submit(RawMessage(Source(pod="p"), b"kv@p@m", seq_frame(4), batch_payload([{"type": "AllBlocksCleared"}])))
+        assert ix.flush(10)
+        assert ix.completeness("p")[0].complete  # a clear makes the engine's state known
+        assert ix.stats().events.incomplete_streams == 0
