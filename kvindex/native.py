@@ -44,8 +44,8 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from kvindex import _native
-from kvindex.index import IndexStats, PodEntry, _Orphan
-from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event
+from kvindex.index import ALL_MODELS, IndexStats, PodEntry, _Orphan
+from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
 from kvindex.tiers import GPU, tier_bit, tier_names
 
 __all__ = ["NativeKVBlockIndex"]
@@ -92,10 +92,13 @@ class NativeKVBlockIndex:
             tp = self.token_processor
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
             self._A = tp._A
-        self._orphans: OrderedDict[int, list[_Orphan]] = OrderedDict()
+        # orphans: (model, unknown parent engine key) -> waiting stores (as the reference)
+        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
         self._orphan_blocks = 0
-        self._orphan_by_ek: dict[tuple[str, int, int], _Orphan] = {}
+        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
         self._models: set[str | None] = set()
+        # model name -> the core's 16-bit model id (0 = None); never reused
+        self._model_ids: dict[str | None, int] = {None: 0}
         self._spec: dict[int, dict[str, float]] = {}
         self._spec_order: SortedList = SortedList()
         self._spec_by_pod: dict[str, set[int]] = {}
@@ -137,8 +140,9 @@ class NativeKVBlockIndex:
         bit = tier_bit(tier)
         rank = _rank(dp_rank)
         with self._lock:
+            mid = self._mid(model)
             if token_ids is None or len(token_ids) == 0:
-                done = _u64(self._core.store_tokenless(pod, rank, engine_keys, bit))
+                done = _u64(self._core.store_tokenless(pod, rank, mid, engine_keys, bit))
                 if self._spec:
                     self._confirm_many(pod, done)
                 return len(done)
@@ -149,54 +153,67 @@ class NativeKVBlockIndex:
             if model not in self._models:
                 self._models.add(model)
             extras = extra_keys_from_event(extra_keys, lora_name)
+            if lora_name is None and extra_keys:
+                lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
             if extras is not None:
                 if len(extras) != len(engine_keys):
                     raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
                 if all(e is None for e in extras):
                     extras = None
             if self._compat:
-                n = self._core.store_keys(pod, rank, engine_keys, engine_keys, bit)
+                n = self._core.store_keys(pod, rank, mid, engine_keys, engine_keys, bit)
                 if self._spec:
                     self._confirm_many(pod, engine_keys)
                 return n
             item = _Orphan(pod, rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
             if parent_engine_key is None:
                 return self._attach(item, None)
-            parent_rk = self._core.resolve(pod, rank, parent_engine_key)
+            parent_rk = self._core.resolve(pod, rank, mid, parent_engine_key)
             if parent_rk is None:
                 self._add_orphan(parent_engine_key, item)
                 return 0
             return self._attach(item, parent_rk)
 
-    def block_removed(self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str) -> int:
-        """Apply one BlockRemoved (as :meth:`kvindex.index.KVBlockIndex.block_removed`)."""
+    def block_removed(
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+    ) -> int:
+        """Apply one BlockRemoved of publisher (pod, rank, model) (as the reference)."""
         bit = tier_bit(tier)
         rank = _rank(dp_rank)
         keys = engine_keys if isinstance(engine_keys, (list, tuple, np.ndarray)) else list(engine_keys)
         with self._lock:
-            removed, missing = self._core.remove(pod, rank, keys, bit)
-            extra = 0
-            for ek in missing:
-                waiting = self._orphan_by_ek.get((pod, rank, ek)) if self._orphan_by_ek else None
-                if waiting is not None and waiting.tier & bit and ek not in waiting.removed:
-                    waiting.removed.add(ek)  # never attach a block the engine dropped meanwhile
-                    extra += 1
+            mid = self._model_ids.get(model)
+            hits = self._core.remove(pod, rank, mid, keys, bit) if mid is not None else [False] * len(keys)
+            removed = 0
+            by_ek = self._orphan_by_ek
+            for ek, hit in zip(keys, hits):
+                # the same block may also wait in a store whose parent is unknown: drop it there too
+                waiting = by_ek.get((pod, rank, model, int(ek))) if by_ek else None
+                for w in waiting or ():
+                    if w.tier & bit and ek not in w.removed:
+                        w.removed.add(ek)  # never attach a block the engine dropped meanwhile
+                        hit = True
+                if hit:
+                    removed += 1
                 else:
                     self._c["unknown_removals"] += 1
-            self._c["removed_blocks"] += extra
-        return removed + extra
+            self._c["removed_blocks"] += removed
+        return removed
 
-    def clear(self, pod: str, dp_rank: int | None = None) -> int:
-        """Forget what ``pod`` holds (rank ``dp_rank`` only if given); O(the pod's keys).
+    def clear(self, pod: str, dp_rank: int | None = None, *, model=ALL_MODELS) -> int:
+        """Forget what ``pod`` holds (rank ``dp_rank``, ``model`` only if given); O(the pod's keys).
 
         As :meth:`kvindex.index.KVBlockIndex.clear`: drops the pod's orphans and,
-        without a rank, its speculative entries; returns the entries removed.
+        without a rank or model, its speculative and held entries; returns the
+        entries removed.
         """
         rank = None if dp_rank is None else _rank(dp_rank)
+        every = model is ALL_MODELS
         with self._lock:
-            n = self._core.clear(pod, rank)
-            self._drop_orphans_of(pod, rank)
-            if rank is None:
+            mid = -1 if every else self._model_ids.get(model)
+            n = self._core.clear(pod, rank, mid) if mid is not None else 0
+            self._drop_orphans_of(pod, rank, model)
+            if rank is None and every:
                 held = self._held.pop(pod, None)
                 self._held_mask.pop(pod, None)
                 n += len(held or ())
@@ -409,9 +426,15 @@ class NativeKVBlockIndex:
             return None
         return self._core.best_dp_rank(pod, keys)
 
-    def request_key_of(self, engine_key: int) -> int | None:
-        """Level 2: the request key an engine key maps to (None if unknown)."""
-        return self._core.request_key_of(int(engine_key))
+    def request_key_of(self, engine_key: int, model=ALL_MODELS) -> int | None:
+        """Level 2: the request key an engine key maps to under ``model`` (None if unknown).
+
+        With ALL_MODELS (the default) the first model knowing the key answers.
+        """
+        if model is ALL_MODELS:
+            return self._core.request_key_of(int(engine_key), -1)
+        mid = self._model_ids.get(model)
+        return None if mid is None else self._core.request_key_of(int(engine_key), mid)
 
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
@@ -479,19 +502,21 @@ class NativeKVBlockIndex:
                 rks = tp.chain(prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys)
                 keep = [i for i, ek in enumerate(it.engine_keys) if ek not in it.removed]
                 self._core.store_keys(
-                    it.pod, it.dp_rank, [it.engine_keys[i] for i in keep], rks[keep] if keep else [], it.tier
+                    it.pod, it.dp_rank, self._mid(it.model), [it.engine_keys[i] for i in keep],
+                    rks[keep] if keep else [], it.tier,
                 )
                 stored_rks = rks[keep]
                 attached += len(keep)
             elif it.extra_keys is not None:
                 rks = tp.chain(prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys)
-                self._core.store_keys(it.pod, it.dp_rank, it.engine_keys, rks, it.tier)
+                self._core.store_keys(it.pod, it.dp_rank, self._mid(it.model), it.engine_keys, rks, it.tier)
                 stored_rks = rks
                 attached += len(rks)
             else:
                 state = tp._root(it.model, it.lora_name) if prk is None else int(prk)
                 rks = _u64(self._core.store_chain(
-                    it.pod, it.dp_rank, it.engine_keys, state, it.token_ids, self._K, self._A, it.tier
+                    it.pod, it.dp_rank, self._mid(it.model), it.engine_keys, state, it.token_ids, self._K, self._A,
+                    it.tier,
                 ))
                 stored_rks = rks
                 attached += len(rks)
@@ -499,7 +524,7 @@ class NativeKVBlockIndex:
                 self._confirm_many(it.pod, stored_rks)
             if self._orphans:
                 for ek, rk in zip(it.engine_keys, rks.tolist()):
-                    waiting = self._orphans.pop(ek, None)
+                    waiting = self._orphans.pop((it.model, ek), None)
                     if waiting:
                         for w in waiting:
                             self._forget_orphan(w)
@@ -522,13 +547,29 @@ class NativeKVBlockIndex:
                 mine = self._spec_by_pod.get(pod)
                 if mine is not None:
                     mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
+
+    def _mid(self, model: str | None) -> int:
+        """The core's id of ``model`` (assigned on first use)."""
+        mid = self._model_ids.get(model)
+        if mid is None:
+            if len(self._model_ids) >= 0xFFFF:
+                raise ValueError("more than 65,535 models")
+            mid = self._model_ids[model] = len(self._model_ids)
+        return mid
 
     def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
         n = len(item.engine_keys)
-        self._orphans.setdefault(parent_ek, []).append(item)
+        self._orphans.setdefault((item.model, parent_ek), []).append(item)
         self._orphan_blocks += n
         for ek in item.engine_keys:
-            self._orphan_by_ek[(item.pod, item.dp_rank, ek)] = item
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is None:
+                self._orphan_by_ek[key] = [item]
+            else:
+                lst.append(item)  # the same block stored again while waiting (two physical copies)
         self._c["orphans"] += n
         while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
             _k, group = self._orphans.popitem(last=False)
@@ -539,14 +580,21 @@ class NativeKVBlockIndex:
     def _forget_orphan(self, item: _Orphan) -> None:
         self._orphan_blocks -= len(item.engine_keys)
         for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, ek)
-            if self._orphan_by_ek.get(key) is item:
-                del self._orphan_by_ek[key]
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is not None:
+                lst[:] = [w for w in lst if w is not item]
+                if not lst:
+                    del self._orphan_by_ek[key]
 
-    def _drop_orphans_of(self, pod: str, dp_rank: int | None) -> None:
+    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model=ALL_MODELS) -> None:
+        every = model is ALL_MODELS
         for pk in list(self._orphans):
             group = self._orphans[pk]
-            keep = [g for g in group if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank))]
+            keep = [
+                g for g in group
+                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
+            ]
             if len(keep) != len(group):
                 kept = {id(g) for g in keep}
                 for g in group:
@@ -570,6 +618,8 @@ class NativeKVBlockIndex:
                 mine = self._spec_by_pod.get(pod)
                 if mine is not None:
                     mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
                 self._c["speculative_expired"] += 1
 
 

@@ -11,7 +11,7 @@ on this Protocol; the configuration names the implementation explicitly
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from kvindex.index import IndexStats, PodEntry
@@ -28,7 +28,9 @@ class KVIndex(Protocol):
     """Request key -> pod entries; engine key -> request key; pod -> keys.
 
     Semantics (events mirror vllm/distributed/kv_events.py, vLLM 0.32) are
-    those documented on :class:`kvindex.index.KVBlockIndex`.  Implementations
+    those documented on :class:`kvindex.index.KVBlockIndex`; a publisher is
+    (pod, DP rank, model), and ``model`` of :meth:`clear` /
+    :meth:`request_key_of` defaults to :data:`kvindex.index.ALL_MODELS`.  Implementations
     are safe for one writer per pod at a time plus concurrent readers.
     """
 
@@ -51,9 +53,11 @@ class KVIndex(Protocol):
         model: str | None = None,
     ) -> int: ...
 
-    def block_removed(self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str) -> int: ...
+    def block_removed(
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+    ) -> int: ...
 
-    def clear(self, pod: str, dp_rank: int | None = None) -> int: ...
+    def clear(self, pod: str, dp_rank: int | None = None, *, model: Any = ...) -> int: ...
 
     def add_speculative(self, request_keys: Iterable[int], pod: str, ttl: float, dp_rank: int = 0) -> None: ...
 
@@ -71,7 +75,7 @@ class KVIndex(Protocol):
 
     def best_dp_rank(self, pod: str, request_keys: Sequence[int]) -> int | None: ...
 
-    def request_key_of(self, engine_key: int) -> int | None: ...
+    def request_key_of(self, engine_key: int, model: Any = ...) -> int | None: ...
 
     def pods(self) -> frozenset[str]: ...
 

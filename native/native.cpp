@@ -233,6 +233,7 @@ struct Holder {
     u64 ek;     // the engine key this (pod, rank) stored the block under
     u64 mask;   // tier bits
     uint16_t pod;
+    uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
     int32_t rank;
 };
 
@@ -335,9 +336,14 @@ struct EngineRef {
     u64 refs;
 };
 
-inline u64 stream_id(uint16_t pod, int32_t rank) { return ((u64)pod << 32) | (u32)rank; }
-inline uint16_t stream_pod(u64 sid) { return (uint16_t)(sid >> 32); }
+// A publisher stream: (pod slot, model id, DP rank).
+inline u64 stream_id(uint16_t pod, uint16_t model, int32_t rank) {
+    return ((u64)pod << 48) | ((u64)model << 32) | (u32)rank;
+}
+inline uint16_t stream_pod(u64 sid) { return (uint16_t)(sid >> 48); }
+inline uint16_t stream_model(u64 sid) { return (uint16_t)(sid >> 32); }
 inline int32_t stream_rank(u64 sid) { return (int32_t)(u32)sid; }
+constexpr int ALL = -1;
 
 class IndexCore {
   public:
@@ -348,7 +354,8 @@ class IndexCore {
     // --------------------------------------------------------------- writes
 
     // Store (pod, rank) holding request keys rks[i] as engine keys eks[i] in tier `bit`.
-    size_t store_keys(const std::string& pod, int32_t rank, nb::handle eks_o, nb::handle rks_o, u64 bit) {
+    size_t store_keys(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, nb::handle rks_o,
+                      u64 bit) {
         U64View eks, rks;
         to_u64(eks_o, eks, "engine_keys");
         to_u64(rks_o, rks, "request_keys");
@@ -356,14 +363,14 @@ class IndexCore {
         nb::gil_scoped_release nogil;
         std::unique_lock lk(mu_);
         uint16_t ps = pod_slot(pod);
-        u64 sid = stream_id(ps, rank);
-        for (size_t i = 0; i < eks.n; ++i) put(ps, rank, sid, eks.data[i], rks.data[i], bit);
+        u64 sid = stream_id(ps, mid, rank);
+        for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks.data[i], bit);
         finish_write(ps);
         return eks.n;
     }
 
     // Chain the request keys of `tokens` from `state` (xxh3_chain) and store them; returns the keys.
-    nb::bytes store_chain(const std::string& pod, int32_t rank, nb::handle eks_o,
+    nb::bytes store_chain(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
                                                           u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
                                                           u64 bit) {
         U64View eks, toks, K;
@@ -378,8 +385,8 @@ class IndexCore {
             chain_into(state, toks.data, eks.n, K.data, bs, A, nullptr, rks.data());
             std::unique_lock lk(mu_);
             uint16_t ps = pod_slot(pod);
-            u64 sid = stream_id(ps, rank);
-            for (size_t i = 0; i < eks.n; ++i) put(ps, rank, sid, eks.data[i], rks[i], bit);
+            u64 sid = stream_id(ps, mid, rank);
+            for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks[i], bit);
             finish_write(ps);
         }
         return new_u64_array(std::move(rks));
@@ -387,7 +394,7 @@ class IndexCore {
 
     // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns the request
     // keys updated (unknown engine keys are counted and skipped).
-    nb::bytes store_tokenless(const std::string& pod, int32_t rank, nb::handle eks_o,
+    nb::bytes store_tokenless(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
                                                               u64 bit) {
         U64View eks;
         to_u64(eks_o, eks, "engine_keys");
@@ -396,15 +403,16 @@ class IndexCore {
             nb::gil_scoped_release nogil;
             std::unique_lock lk(mu_);
             uint16_t ps = pod_slot(pod);
-            u64 sid = stream_id(ps, rank);
+            u64 sid = stream_id(ps, mid, rank);
+            streams_[sid];
             for (size_t i = 0; i < eks.n; ++i) {
                 u64 ek = eks.data[i];
-                std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, ek);
+                std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, mid, ek);
                 if (!rk) {
                     ++c_unknown_offloads_;
                     continue;
                 }
-                put(ps, rank, sid, ek, *rk, bit);
+                put(ps, rank, mid, sid, ek, *rk, bit);
                 done.push_back(*rk);
             }
             finish_write(ps);
@@ -412,43 +420,29 @@ class IndexCore {
         return new_u64_array(std::move(done));
     }
 
-    // BlockRemoved: returns (tier copies removed, engine keys the stream does not map).
-    std::pair<size_t, std::vector<u64>> remove(const std::string& pod, int32_t rank, nb::handle eks_o, u64 bit) {
+    // BlockRemoved of publisher (pod, rank, model): per engine key, whether a held tier copy went.
+    std::vector<bool> remove(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, u64 bit) {
         U64View eks;
         to_u64(eks_o, eks, "engine_keys");
-        std::vector<u64> missing;
-        size_t removed = 0;
-        {
-            nb::gil_scoped_release nogil;
-            std::unique_lock lk(mu_);
-            auto it = pod_by_name_.find(pod);
-            if (it == pod_by_name_.end()) {
-                missing.assign(eks.data, eks.data + eks.n);
-            } else {
-                uint16_t ps = it->second;
-                u64 sid = stream_id(ps, rank);
-                for (size_t i = 0; i < eks.n; ++i) {
-                    u64 ek = eks.data[i];
-                    U64Map<u64>* st = stream(sid);
-                    const u64* rk = st ? st->find(ek) : nullptr;
-                    if (!rk) {
-                        missing.push_back(ek);
-                        continue;
-                    }
-                    if (drop_copy(ps, rank, ek, *rk, bit))
-                        ++removed;
-                    else
-                        ++c_unknown_removals_;
-                }
-                finish_write(ps);
-            }
-            c_removed_blocks_ += removed;
+        std::vector<bool> hit(eks.n, false);
+        nb::gil_scoped_release nogil;
+        std::unique_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return hit;
+        uint16_t ps = it->second;
+        u64 sid = stream_id(ps, mid, rank);
+        for (size_t i = 0; i < eks.n; ++i) {
+            u64 ek = eks.data[i];
+            U64Map<u64>* st = stream(sid);
+            const u64* rk = st ? st->find(ek) : nullptr;
+            if (rk && drop_copy(ps, rank, ek, *rk, bit)) hit[i] = true;
         }
-        return {removed, std::move(missing)};
+        finish_write(ps);
+        return hit;
     }
 
     // Forget what `pod` holds (rank `rank` only when >= 0 ... or any when all_ranks). Returns entries removed.
-    size_t clear(const std::string& pod, std::optional<int32_t> rank) {
+    size_t clear(const std::string& pod, std::optional<int32_t> rank, int model) {
         nb::gil_scoped_release nogil;
         std::unique_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
@@ -456,14 +450,17 @@ class IndexCore {
         uint16_t ps = it->second;
         std::vector<u64> sids;
         for (auto& kv : streams_)
-            if (stream_pod(kv.first) == ps && (!rank || stream_rank(kv.first) == *rank)) sids.push_back(kv.first);
+            if (stream_pod(kv.first) == ps && (!rank || stream_rank(kv.first) == *rank) &&
+                (model == ALL || stream_model(kv.first) == (uint16_t)model))
+                sids.push_back(kv.first);
         size_t n = 0;
         for (u64 sid : sids) {
             U64Map<u64> emap = std::move(streams_[sid]);
             streams_.erase(sid);
             int32_t r = stream_rank(sid);
+            uint16_t sm = stream_model(sid);
             emap.for_each([&](u64 ek, u64 rk) {
-                unref_engine(ek);
+                unref_engine(ek, sm);
                 u32* bi = rk_map_.find(rk);
                 if (!bi) return;
                 Block& b = blocks_[*bi];
@@ -634,26 +631,29 @@ class IndexCore {
         return best;
     }
 
-    // The request key (pod, rank)'s stream maps `ek` to, else level 2's; None if unknown.
-    std::optional<u64> resolve(const std::string& pod, int32_t rank, u64 ek) {
+    // The request key stream (pod, rank, model) maps `ek` to, else the model's level 2; None if unknown.
+    std::optional<u64> resolve(const std::string& pod, int32_t rank, uint16_t mid, u64 ek) {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
-        if (it != pod_by_name_.end()) return resolve_locked(it->second, rank, ek);
-        const EngineRef* v = engine_.find(ek);
+        if (it != pod_by_name_.end()) return resolve_locked(it->second, rank, mid, ek);
+        const EngineRef* v = engine_find(mid, ek);
         return v ? std::optional<u64>(v->rk) : std::nullopt;
     }
 
-    std::optional<u64> request_key_of(u64 ek) {
+    // Level 2 under model `model` (ALL: the first model, in first-use order, knowing it).
+    std::optional<u64> request_key_of(u64 ek, int model) {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         if (compat_) {
             for (auto& kv : streams_)
-                if (kv.second.find(ek)) return ek;
+                if ((model == ALL || stream_model(kv.first) == (uint16_t)model) && kv.second.find(ek)) return ek;
             return std::nullopt;
         }
-        const EngineRef* v = engine_.find(ek);
-        return v ? std::optional<u64>(v->rk) : std::nullopt;
+        for (auto& e : engines_)
+            if (model == ALL || e.first == (uint16_t)model)
+                if (const EngineRef* v = e.second.find(ek)) return v->rk;
+        return std::nullopt;
     }
 
     std::vector<std::string> pods() {
@@ -738,7 +738,11 @@ class IndexCore {
             }
             for (bool b : live) pods += b;
             keys = rk_map_.size();
-            engine_keys = compat_ ? entries : engine_.size();
+            engine_keys = entries;
+            if (!compat_) {
+                engine_keys = 0;
+                for (auto& e : engines_) engine_keys += e.second.size();
+            }
             ev = c_evictions_;
             st = c_stored_blocks_;
             rm = c_removed_blocks_;
@@ -761,8 +765,8 @@ class IndexCore {
     // Bytes the index's own structures hold (capacity, not size; without allocator overhead).
     size_t memory_bytes() {
         std::shared_lock lk(mu_);
-        size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes() +
-                   engine_.bytes();
+        size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes();
+        for (auto& e : engines_) b += e.second.bytes();
         for (const Block& blk : blocks_)
             if (blk.hs.capacity() > 1) b += blk.hs.capacity() * sizeof(Holder);
         for (auto& kv : streams_) b += kv.second.bytes() + 32;
@@ -949,11 +953,22 @@ class IndexCore {
         return it == streams_.end() ? nullptr : &it->second;
     }
 
-    std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, u64 ek) {
-        if (U64Map<u64>* st = stream(stream_id(ps, rank)))
+    std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
+        if (U64Map<u64>* st = stream(stream_id(ps, mid, rank)))
             if (const u64* rk = st->find(ek)) return *rk;
-        const EngineRef* v = engine_.find(ek);
+        const EngineRef* v = engine_find(mid, ek);
         return v ? std::optional<u64>(v->rk) : std::nullopt;
+    }
+
+    U64Map<EngineRef>* engine_map(uint16_t mid) {
+        for (auto& e : engines_)
+            if (e.first == mid) return &e.second;
+        return nullptr;
+    }
+
+    const EngineRef* engine_find(uint16_t mid, u64 ek) {
+        U64Map<EngineRef>* m = engine_map(mid);
+        return m ? m->find(ek) : nullptr;
     }
 
     static size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
@@ -1026,18 +1041,30 @@ class IndexCore {
         if (b.hs.empty()) free_block(bi);
     }
 
-    void unref_engine(u64 ek) {
+    void unref_engine(u64 ek, uint16_t mid) {
         if (compat_) return;
-        EngineRef* v = engine_.find(ek);
-        if (v && --v->refs == 0) engine_.erase(ek);
+        for (size_t i = 0; i < engines_.size(); ++i) {
+            if (engines_[i].first != mid) continue;
+            EngineRef* v = engines_[i].second.find(ek);
+            if (v && --v->refs == 0) {
+                engines_[i].second.erase(ek);
+                if (engines_[i].second.empty()) engines_.erase(engines_.begin() + (long)i);
+            }
+            return;
+        }
     }
 
-    void link(uint16_t /*ps*/, U64Map<u64>& st, u64 ek, u64 rk) {
+    void link(uint16_t mid, U64Map<u64>& st, u64 ek, u64 rk) {
         auto [v, inserted] = st.emplace(ek);
         if (inserted || *v != rk) {
             *v = rk;
             if (!compat_) {
-                auto [e, ins] = engine_.emplace(ek);
+                U64Map<EngineRef>* em = engine_map(mid);
+                if (!em) {
+                    engines_.emplace_back(mid, U64Map<EngineRef>());
+                    em = &engines_.back().second;
+                }
+                auto [e, ins] = em->emplace(ek);
                 if (ins) {
                     e->rk = rk;
                     e->refs = 1;
@@ -1051,7 +1078,7 @@ class IndexCore {
     }
 
     // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
-    void put(uint16_t ps, int32_t rank, u64 sid, u64 ek, u64 rk, u64 bit) {
+    void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
         U64Map<u64>* stp = stream(sid);
         if (stp) {
             const u64* old = stp->find(ek);
@@ -1077,7 +1104,7 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            b.hs.push_back(Holder{ek, bit, ps, rank});
+            b.hs.push_back(Holder{ek, bit, ps, mid, rank});
         } else {
             Holder& hd = b.hs[h];
             hd.mask |= bit;
@@ -1085,12 +1112,12 @@ class IndexCore {
                 const u64* cur = st.find(hd.ek);
                 if (cur && *cur == rk) {
                     st.erase(hd.ek);
-                    unref_engine(hd.ek);
+                    unref_engine(hd.ek, mid);
                 }
                 hd.ek = ek;
             }
         }
-        link(ps, st, ek, rk);
+        link(mid, st, ek, rk);
     }
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
@@ -1103,12 +1130,13 @@ class IndexCore {
         if (h == NIL || !(b.hs[h].mask & bit)) return false;
         b.hs[h].mask &= ~bit;
         if (b.hs[h].mask == 0) {
-            U64Map<u64>* st = stream(stream_id(ps, rank));
+            uint16_t hm = b.hs[h].model;
+            U64Map<u64>* st = stream(stream_id(ps, hm, rank));
             if (st) {
                 const u64* cur = st->find(ek);
                 if (cur && *cur == rk) {
                     st->erase(ek);
-                    unref_engine(ek);
+                    unref_engine(ek, hm);
                 }
             }
             erase_holder(bi, h);
@@ -1126,11 +1154,11 @@ class IndexCore {
                 seen.push_back(h.pod);
                 --pod_blocks_[h.pod];
             }
-            if (U64Map<u64>* st = stream(stream_id(h.pod, h.rank))) {
+            if (U64Map<u64>* st = stream(stream_id(h.pod, h.model, h.rank))) {
                 const u64* cur = st->find(h.ek);
                 if (cur && *cur == rk) {
                     st->erase(h.ek);
-                    unref_engine(h.ek);
+                    unref_engine(h.ek, h.model);
                 }
             }
         }
@@ -1157,7 +1185,7 @@ class IndexCore {
     std::vector<u32> free_;
     u32 lru_head_ = NIL, lru_tail_ = NIL;
     U64Map<u32> rk_map_;
-    U64Map<EngineRef> engine_;
+    std::vector<std::pair<uint16_t, U64Map<EngineRef>>> engines_;  // level 2 per model id, first-use order
     std::unordered_map<u64, U64Map<u64>> streams_;
     std::unordered_map<std::string, uint16_t> pod_by_name_;
     std::vector<std::string> pod_names_;
@@ -1207,7 +1235,7 @@ NB_MODULE(_native, m) {
         .def("store_chain", &IndexCore::store_chain)
         .def("store_tokenless", &IndexCore::store_tokenless)
         .def("remove", &IndexCore::remove)
-        .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none())
+        .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none(), nb::arg("model"))
         .def("touch", &IndexCore::touch)
         .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"))
         .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),

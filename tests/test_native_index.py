@@ -138,18 +138,23 @@ class SameSteps(RuleBasedStateMachine):
         self.both("block_stored", pod, rank, eks, parent, list(U.tokens(path, i, j)), tier, block_size=BS, model=model)
 
     @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), path=st.integers(0, len(U.paths) - 1),
-          i=st.integers(0, 5), tier=st.sampled_from(TIERS))
-    def offload(self, pod, rank, path, i, tier):
-        self.both("block_stored", pod, rank, [U.ek(path, i), U.ek(path, min(i + 1, 5))], None, None, tier)
+          i=st.integers(0, 5), tier=st.sampled_from(TIERS), model=st.sampled_from(MODELS))
+    def offload(self, pod, rank, path, i, tier, model):
+        self.both("block_stored", pod, rank, [U.ek(path, i), U.ek(path, min(i + 1, 5))], None, None, tier,
+                  model=model)
 
     @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), path=st.integers(0, len(U.paths) - 1),
-          i=st.integers(0, 5), tier=st.sampled_from(TIERS))
-    def remove(self, pod, rank, path, i, tier):
-        self.both("block_removed", pod, rank, [U.ek(path, i), 77], tier)
+          i=st.integers(0, 5), tier=st.sampled_from(TIERS), model=st.sampled_from(MODELS))
+    def remove(self, pod, rank, path, i, tier, model):
+        self.both("block_removed", pod, rank, [U.ek(path, i), 77], tier, model=model)
 
-    @rule(pod=st.sampled_from(PODS + ["d"]), rank=st.none() | st.sampled_from(RANKS))
-    def clear(self, pod, rank):
-        self.both("clear", pod, rank)
+    @rule(pod=st.sampled_from(PODS + ["d"]), rank=st.none() | st.sampled_from(RANKS),
+          model=st.sampled_from(["all", *MODELS, "other"]))
+    def clear(self, pod, rank, model):
+        if model == "all":
+            self.both("clear", pod, rank)
+        else:
+            self.both("clear", pod, rank, model=model)
 
     @rule(pod=st.sampled_from(PODS), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
           ttl=st.sampled_from([1.0, 5.0]))
@@ -186,6 +191,8 @@ class SameSteps(RuleBasedStateMachine):
             self.both("lookup", keys)
             for i in range(len(keys)):
                 self.both("request_key_of", U.ek(p, i))
+                for model in (*MODELS, "other"):
+                    self.both("request_key_of", U.ek(p, i), model)
         for pod in PODS:
             for rank in (None, *RANKS):
                 self.both("pod_keys", pod, rank)
