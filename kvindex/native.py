@@ -27,10 +27,14 @@ Where the work happens:
   those own.
 
 Locking: the core has one shared mutex (readers share it, a writer holds it
-alone; the recency refresh of a match takes it briefly after the walk).  The
-write methods here also hold a Python lock, so that one event's steps (resolve
-the parent, store, release orphans) are not interleaved with another writer's.
-Readers take that Python lock only while speculative entries exist.
+alone; the recency refresh of a match takes it briefly after the walk), and
+every call into it releases the GIL.  Every public method here also holds one
+Python lock for the whole method, as the reference does, so a reader never
+sees half of an event (its parent resolved, its blocks stored, its orphans
+released) and other Python threads run while the core works.  (Readers
+skipping that lock, relying on the core's shared mutex alone, made the
+engine-model test fail under the pool's concurrent shards; the cause is not
+found yet, so readers take it.)
 """
 
 from __future__ import annotations
@@ -309,8 +313,6 @@ class NativeKVBlockIndex:
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
-        if not self._spec_by_pod and not self._held:
-            return _lists(self._core.prefix_match(keys, None if pods is None else list(pods), True))
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
@@ -357,9 +359,12 @@ class NativeKVBlockIndex:
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
-        if self._spec_by_pod or self._held:
-            return _summarise(self.prefix_match(keys, pods), list(weights))
-        rows, _longest = self._core.prefix_summary(keys, None if pods is None else list(pods), list(weights), True)
+        with self._lock:
+            if self._spec_by_pod or self._held:
+                return _summarise(self.prefix_match(keys, pods), list(weights))
+            rows, _longest = self._core.prefix_summary(
+                keys, None if pods is None else list(pods), list(weights), True
+            )
         return {pod: (n, w, u) for pod, n, w, u in rows}
 
     def match_tokens(
@@ -392,13 +397,15 @@ class NativeKVBlockIndex:
             return keys, self.prefix_summary(keys, cands, weights)
         w = list(weights)
         try:
-            keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+            with self._lock:
+                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
         except (TypeError, ValueError):
             if isinstance(tokens, np.ndarray):
                 raise
             # the reference's checks and errors (it also takes bools and other int-likes)
             tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
-            keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+            with self._lock:
+                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
         return _u64(keys), {pod: (n, w, u) for pod, n, w, u in rows}
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
@@ -424,29 +431,30 @@ class NativeKVBlockIndex:
         keys = _as_keys(request_keys)
         if len(keys) == 0:
             return None
-        return self._core.best_dp_rank(pod, keys)
+        with self._lock:
+            return self._core.best_dp_rank(pod, keys)
 
     def request_key_of(self, engine_key: int, model=ALL_MODELS) -> int | None:
         """Level 2: the request key an engine key maps to under ``model`` (None if unknown).
 
         With ALL_MODELS (the default) the first model knowing the key answers.
         """
-        if model is ALL_MODELS:
-            return self._core.request_key_of(int(engine_key), -1)
-        mid = self._model_ids.get(model)
-        return None if mid is None else self._core.request_key_of(int(engine_key), mid)
+        with self._lock:
+            if model is ALL_MODELS:
+                return self._core.request_key_of(int(engine_key), -1)
+            mid = self._model_ids.get(model)
+            return None if mid is None else self._core.request_key_of(int(engine_key), mid)
 
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real or speculative)."""
-        real = self._core.pods()
-        if not self._spec_by_pod and not self._held:
-            return frozenset(real)
         with self._lock:
+            real = self._core.pods()
             return frozenset(real).union(self._held.keys(), (p for p, keys in self._spec_by_pod.items() if keys))
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
-        return set(self._core.pod_keys(pod, None if dp_rank is None else _rank(dp_rank)))
+        with self._lock:
+            return set(self._core.pod_keys(pod, None if dp_rank is None else _rank(dp_rank)))
 
     def models(self) -> frozenset[str | None]:
         """Models whose blocks events have stored."""
