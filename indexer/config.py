@@ -29,6 +29,7 @@ Unknown keys are rejected (a typo should not silently fall back to a default).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -148,19 +149,39 @@ class ScorerWeights(_Base, frozen=True):
     kv_usage: float = 2.0
     queue: float = 2.0
 
+    def __post_init__(self) -> None:
+        for name in ("prefix", "kv_usage", "queue"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"picker weight {name!r} must be finite and >= 0, got {v}")
+
 
 class ScorerConfig(_Base, frozen=True):
-    """Read path: tier weights, picker weights, speculative entries.
+    """Read path: tier weights, picker, speculative entries.
 
-    speculative_ttl: seconds a routed request's blocks count as present on the
-    chosen pod before its events confirm them (0 disables).
+    picker: ``weighted`` (scorer.picker.WeightedPicker, with ``weights``) or
+    ``ttft`` (scorer.picker.TTFTPicker: the pod with the lowest estimated
+    time to first token, with ``kv_pressure``).
+    speculative_ttl: seconds a request's blocks count as present on the pod
+    ``Indexer.route`` chose, until the engine's events confirm them (0
+    disables; ``score`` alone never marks anything).
+
+    The defaults (``ttft``, kv_pressure 10, speculative_ttl 5 s) won the
+    fleet simulator's seed-002 comparison (bench/sim/README.md); ``weighted``
+    with prefix 3 : kv-usage 2 : queue 2 is llm-d's benchmark setting.
     """
 
     tier_weights: dict[str, float] = msgspec.field(default_factory=lambda: dict(DEFAULT_TIER_WEIGHTS))
+    picker: str = "ttft"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
-    speculative_ttl: float = 0.0
+    kv_pressure: float = 10.0
+    speculative_ttl: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.picker not in ("weighted", "ttft"):
+            raise ValueError(f"picker must be 'weighted' or 'ttft', got {self.picker!r}")
+        if not (math.isfinite(self.kv_pressure) and self.kv_pressure >= 0):
+            raise ValueError(f"kv_pressure must be finite and >= 0, got {self.kv_pressure}")
         if not 0 <= self.speculative_ttl < 86_400:
             raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
         TierWeights(self.tier_weights)  # raises for negative or non-finite weights

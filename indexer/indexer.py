@@ -33,7 +33,7 @@ from kvindex.protocol import KVIndex, make_index
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TIERS, TierWeights
 from scorer.load import LoadSnapshot
-from scorer.picker import Choice, PickerWeights, WeightedPicker
+from scorer.picker import Choice, PickerWeights, TTFTPicker, WeightedPicker
 from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_from_matches
 
 __all__ = ["Indexer", "Score", "IndexerStats"]
@@ -129,14 +129,20 @@ class Indexer:
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
-        self.picker = WeightedPicker(
-            PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
-        )
+        self.picker: WeightedPicker | TTFTPicker
+        if sc.picker == "ttft":
+            self.picker = TTFTPicker(kv_pressure=sc.kv_pressure)
+        else:
+            self.picker = WeightedPicker(
+                PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
+            )
         self.speculative_ttl = sc.speculative_ttl
         self._bit_weight_cache: list[float] = []
         self._best_tier_cache: dict[int, str | None] = {}
         self._loads: dict[str, LoadSnapshot] = {}
         self._in_flight: dict[str, int] = {}
+        self._prefill: dict[str, float] = {}  # pod -> router-side prompt tokens still to prefill
+        self._tracks_prefill = False
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
 
@@ -182,22 +188,46 @@ class Indexer:
         with self._lock:
             self._loads[pod] = load
 
-    def request_started(self, pod: str) -> None:
-        """Count one more request the router has in flight on ``pod``."""
+    def request_started(self, pod: str, prefill_tokens: int = 0) -> None:
+        """Count one more request the router has in flight on ``pod``.
+
+        ``prefill_tokens``: the prompt tokens the pod will compute for it
+        (``Score.prompt_tokens - Score.predicted_cached_tokens(pod)``); the sum
+        over requests that have not produced a first token yet is the pod's
+        ``LoadSnapshot.prefill_tokens``.  Take it off again with
+        :meth:`request_prefilled` at the first token, or else with
+        :meth:`request_finished`, passing the same number once.
+        """
         with self._lock:
             self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
+            if prefill_tokens > 0:
+                self._tracks_prefill = True
+                self._prefill[pod] = self._prefill.get(pod, 0.0) + prefill_tokens
 
-    def request_finished(self, pod: str) -> None:
-        """Count one in-flight request on ``pod`` as done (never below 0)."""
+    def request_prefilled(self, pod: str, prefill_tokens: int) -> None:
+        """The request's first token arrived: its ``prefill_tokens`` are no longer queued on ``pod``."""
+        with self._lock:
+            self._prefill[pod] = max(0.0, self._prefill.get(pod, 0.0) - prefill_tokens)
+
+    def request_finished(self, pod: str, prefill_tokens: int = 0) -> None:
+        """Count one in-flight request on ``pod`` as done (never below 0); ``prefill_tokens``
+        as given to :meth:`request_started` unless :meth:`request_prefilled` took them off."""
         with self._lock:
             self._in_flight[pod] = max(0, self._in_flight.get(pod, 0) - 1)
+            if prefill_tokens > 0:
+                self._prefill[pod] = max(0.0, self._prefill.get(pod, 0.0) - prefill_tokens)
 
     def loads(self) -> dict[str, LoadSnapshot]:
         """Current load per pod: last engine snapshot with the router's in-flight count."""
         with self._lock:
             pods = set(self._loads) | set(self._in_flight)
+            track = self._tracks_prefill
             return {
-                p: msgspec.structs.replace(self._loads.get(p) or LoadSnapshot(), in_flight=self._in_flight.get(p, 0))
+                p: msgspec.structs.replace(
+                    self._loads.get(p) or LoadSnapshot(),
+                    in_flight=self._in_flight.get(p, 0),
+                    prefill_tokens=self._prefill.get(p, 0.0) if track else None,
+                )
                 for p in pods
             }
 
@@ -281,7 +311,7 @@ class Indexer:
             prefix = prefix_scores_from_matches(
                 matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
             )
-        choice = self.picker.pick(prefix, loads, candidates) if candidates else None
+        choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
         if choice is not None and prefix[choice.pod].matched_blocks:
             rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
             if rank is not None:

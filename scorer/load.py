@@ -59,6 +59,12 @@ class LoadSnapshot(msgspec.Struct, kw_only=True):
             :func:`fetch_load`; None from the pure parser).
         engines: number of distinct engine cores (``engine`` label values) seen
             in the text; 0 when none of the load metrics was present.
+        prefill_tokens: router-side estimate of the prompt tokens the pod
+            still has to prefill for the requests the router sent it (those
+            that have not produced a first token yet), None when the router
+            does not track it (the parser leaves it None; see
+            ``indexer.Indexer.request_started``).  Read by
+            :class:`scorer.picker.TTFTPicker`.
 
     Missing metrics give zeros (None for the counters).  Use
     ``msgspec.structs.replace(snap, in_flight=n)`` to add the router's count.
@@ -72,6 +78,7 @@ class LoadSnapshot(msgspec.Struct, kw_only=True):
     prefix_cache_hits: float | None = None
     scraped_at: float | None = None
     engines: int = 0
+    prefill_tokens: float | None = None
 
 
 _WAITING = ("vllm:num_requests_waiting",)

@@ -36,6 +36,7 @@ __all__ = [
     "PickerWeights",
     "PodExplanation",
     "RandomPicker",
+    "TTFTPicker",
     "WeightedPicker",
 ]
 
@@ -89,6 +90,9 @@ class PodExplanation(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_usage: float
     load_known: bool
     reason: str
+    uncached_tokens: int = 0
+    queued_tokens: float = 0.0
+    cost: float = 0.0
 
 
 class Choice(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +121,8 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
     def explain(self) -> str:
         """A human-readable table: one row per candidate, the chosen pod marked ``*``."""
         header = ("", "pod", "total", "prefix", "kv", "queue", "tokens", "waiting", "inflight", "kv_use", "reason")
+        if self.picker == TTFTPicker.name:
+            return self._explain_ttft()
         rows = [header]
         for pod, e in self.explanation.items():
             rows.append(
@@ -140,6 +146,33 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
             w = self.weights
             head += (f"  (total = {w.prefix:g} x prefix + {w.kv_usage:g} x kv + {w.queue:g} x queue;"
                      " the three columns are unweighted, 0..1)")
+        lines = [head]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+        return "\n".join(lines)
+
+
+    def _explain_ttft(self) -> str:
+        header = ("", "pod", "cost", "queued", "uncached", "kv_use", "tokens", "waiting", "inflight", "reason")
+        rows = [header]
+        for pod, e in self.explanation.items():
+            rows.append(
+                (
+                    "*" if pod == self.pod else "",
+                    pod,
+                    f"{e.cost:.0f}",
+                    f"{e.queued_tokens:.0f}",
+                    str(e.uncached_tokens),
+                    f"{e.kv_cache_usage:.2f}" if e.load_known else "-",
+                    str(e.matched_tokens),
+                    f"{e.waiting:g}" if e.load_known else "-",
+                    str(e.in_flight),
+                    e.reason,
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        head = (f"picker={self.picker} chosen={self.pod} cost={-self.score:.0f} tokens"
+                "  (cost = queued + uncached x (1 + kv_pressure x kv_use); lowest wins)")
         lines = [head]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
@@ -256,6 +289,8 @@ class WeightedPicker:
         prefix: Mapping[str, PrefixScore],
         loads: Mapping[str, LoadSnapshot],
         candidates: Sequence[str],
+        *,
+        prompt_tokens: int | None = None,
     ) -> Choice:
         """Choose one of ``candidates``.
 
@@ -264,6 +299,8 @@ class WeightedPicker:
                 entries for non-candidates are ignored.
             loads: pod -> LoadSnapshot; missing pods count as zero load.
             candidates: pod ids to choose from (duplicates are ignored).
+            prompt_tokens: the prompt's length in tokens (ignored here; the
+                cost-based :class:`TTFTPicker` uses it).
 
         Returns:
             The Choice, with an explanation row for every candidate.
@@ -359,6 +396,8 @@ class RandomPicker:
         prefix: Mapping[str, PrefixScore],
         loads: Mapping[str, LoadSnapshot],
         candidates: Sequence[str],
+        *,
+        prompt_tokens: int | None = None,
     ) -> Choice:
         """Choose one of ``candidates`` at random (same contract as :meth:`WeightedPicker.pick`)."""
         pods = sorted(_unique_candidates(candidates))
@@ -370,3 +409,141 @@ class RandomPicker:
             for r in rows
         }
         return Choice(pod=chosen, score=1.0, explanation=expl, picker=self.name)
+
+
+class TTFTPicker:
+    """Cost-based picker: the pod where this request's first token is expected soonest.
+
+    Estimated cost of pod p, in prefill tokens (lowest wins)::
+
+        cost(p) = queued(p) + uncached(p) x (1 + kv_pressure x kv_usage(p))
+
+    * uncached(p) = prompt tokens the pod would still compute:
+      ``prompt_tokens - cached(p)``, where cached(p) is the pod's consecutive
+      prefix, each block weighted by its tier (gpu 1, cpu 0.8, ...: a block in
+      a slower tier costs part of a recompute), capped at ``prompt_tokens - 1``
+      (the engine always computes the last token; vLLM 0.32
+      ``KVCacheManager.get_computed_blocks``).
+    * queued(p) = prefill work ahead of it on that pod: the router's
+      ``LoadSnapshot.prefill_tokens`` (prompt tokens still to prefill of the
+      requests it sent there), or, when the router does not track it,
+      ``waiting x prompt_tokens`` (each queued request taken as large as this one).
+    * kv_pressure x kv_usage(p): KV headroom.  New blocks on a nearly full pod
+      evict cached prefixes other requests would reuse (and at the limit
+      preempt running requests), so the work placed there costs more the
+      fuller it is; a full hit writes nothing and pays nothing for it.
+
+    All terms are in tokens, so no hardware calibration is needed: prefill
+    time is close to linear in tokens on one pod type.  Ties (within
+    ``tie_tokens``) go to the smaller ``waiting + in_flight``, then the
+    smaller pod id.  ``Choice.score`` and ``PodExplanation.total`` are the
+    negated cost (higher is better, as for the other pickers); the
+    explanation carries cost, queued and uncached tokens per pod.
+
+    Args:
+        kv_pressure: weight of the KV-headroom term (>= 0, finite).
+        tie_tokens: costs closer than this count as equal (>= 0).
+
+    Raises:
+        ValueError: a negative or non-finite parameter.
+    """
+
+    name = "ttft"
+
+    def __init__(self, *, kv_pressure: float = 10.0, tie_tokens: float = 0.0) -> None:
+        for n, v in (("kv_pressure", kv_pressure), ("tie_tokens", tie_tokens)):
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"{n} must be finite and >= 0, got {v}")
+        self.kv_pressure = float(kv_pressure)
+        self.tie_tokens = float(tie_tokens)
+        self.weights = None
+
+    def pick(
+        self,
+        prefix: Mapping[str, PrefixScore],
+        loads: Mapping[str, LoadSnapshot],
+        candidates: Sequence[str],
+        *,
+        prompt_tokens: int | None = None,
+    ) -> Choice:
+        """Choose one of ``candidates`` (same contract as :meth:`WeightedPicker.pick`).
+
+        ``prompt_tokens`` should be given (``indexer.Indexer.score`` does); when
+        None it is estimated from the prefix scores (matched tokens / coverage).
+        """
+        pods = _unique_candidates(candidates)
+        rows = _gather(prefix, loads, pods)
+        n_prompt = _prompt_tokens(prompt_tokens, prefix, pods)
+        costs: dict[str, float] = {}
+        uncached: dict[str, int] = {}
+        queued: dict[str, float] = {}
+        for r in rows:
+            ps = prefix.get(r.pod)
+            cached = 0.0
+            if ps is not None and ps.matched_blocks > 0:
+                block = ps.matched_tokens / ps.matched_blocks
+                cached = min(_finite_nonneg(ps.weighted_blocks) * block, float(max(0, n_prompt - 1)))
+            un = max(0.0, n_prompt - cached)
+            ld = loads.get(r.pod)
+            q = (
+                _finite_nonneg(ld.prefill_tokens)
+                if ld is not None and ld.prefill_tokens is not None
+                else r.waiting * n_prompt
+            )
+            uncached[r.pod] = int(round(un))
+            queued[r.pod] = q
+            costs[r.pod] = q + un * (1.0 + self.kv_pressure * r.kv_cache_usage)
+        best_cost = min(costs.values())
+        tie = self.tie_tokens
+
+        def key(r: _Inputs) -> tuple[float, float, str]:
+            c = costs[r.pod]
+            return (best_cost if c - best_cost <= tie else c, r.queue_len, r.pod)
+
+        ranked = sorted(rows, key=key)
+        win = ranked[0]
+        expl: dict[str, PodExplanation] = {}
+        for i, r in enumerate(ranked):
+            if i == 0:
+                reason = "only candidate" if len(ranked) == 1 else self._win_reason(r, ranked[1], costs)
+            else:
+                reason = self._lose_reason(r, win, costs, queued, uncached)
+            e = r.explanation(-costs[r.pod], reason)
+            expl[r.pod] = msgspec.structs.replace(
+                e, cost=costs[r.pod], queued_tokens=queued[r.pod], uncached_tokens=uncached[r.pod]
+            )
+        return Choice(pod=win.pod, score=-costs[win.pod], explanation=expl, picker=self.name)
+
+    def _win_reason(self, r: _Inputs, second: _Inputs, costs: dict[str, float]) -> str:
+        gap = costs[second.pod] - costs[r.pod]
+        if gap > self.tie_tokens:
+            return f"lowest cost ({gap:.0f} tokens below {second.pod})"
+        if r.queue_len < second.queue_len:
+            return "tie on cost; shorter queue"
+        return "tie on cost; first pod id"
+
+    def _lose_reason(
+        self, r: _Inputs, win: _Inputs, costs: dict[str, float], queued: dict[str, float], uncached: dict[str, int]
+    ) -> str:
+        gap = costs[r.pod] - costs[win.pod]
+        if gap <= self.tie_tokens:
+            return "tie on cost; lost the tie-break"
+        dq = queued[r.pod] - queued[win.pod]
+        du = uncached[r.pod] - uncached[win.pod]
+        main = "queued prefill" if dq >= du and dq > 0 else "uncached prefix" if du > 0 else "kv headroom"
+        return f"+{gap:.0f} tokens vs {win.pod}, mostly {main}"
+
+
+def _prompt_tokens(given: int | None, prefix: Mapping[str, PrefixScore], pods: list[str]) -> int:
+    """The prompt length: as given, else the largest ``matched_tokens / coverage`` seen (0 if none)."""
+    if given is not None:
+        if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+            raise ValueError(f"prompt_tokens must be an int >= 0, got {given!r}")
+        return given
+    est = 0.0
+    for p in pods:
+        ps = prefix.get(p)
+        if ps is not None and ps.coverage > 0.0 and ps.matched_blocks > 0:
+            per_block = ps.matched_tokens / ps.matched_blocks
+            est = max(est, ps.weighted_blocks / ps.coverage * per_block)
+    return int(round(est))

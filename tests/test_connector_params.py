@@ -39,7 +39,7 @@ P_ANSWER = {**D_ANSWER, "do_remote_prefill": True, "do_remote_decode": False, "r
             "remote_prefill_cached_tokens": 0}
 
 ident = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=12)
-json_scalar = st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False) | st.text(max_size=8)
+json_scalar = st.none() | st.booleans() | st.integers(-10, 10**6) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
 extra_fields = st.dictionaries(ident.filter(lambda k: k not in D_ANSWER), json_scalar, max_size=4)
 
 

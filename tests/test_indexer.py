@@ -46,6 +46,9 @@ def test_config_json_yaml_roundtrip(tmp_path):
     {"kv_events_config": {"engines": [{"endpoint": "tcp://h:1"}]}},
     {"kv_events_config": {"engines": [{"pod": "a", "endpoint": "tcp://h:1", "dp_size": 0}]}},
     {"scorer_config": {"weights": {"prefix": -1}}},
+    {"scorer_config": {"picker": "fastest"}},
+    {"scorer_config": {"kv_pressure": -1}},
+    {"scorer_config": {"kv_pressure": float("nan")}},
 ])
 def test_config_rejects_bad_values(bad):
     with pytest.raises((msgspec.ValidationError, ValueError)):
@@ -135,3 +138,27 @@ def test_choice_names_the_dp_rank_holding_the_prefix():
     r = ix.score(TOKENS, pods=["a"])
     assert r.choice.dp_rank == 3 and r.prefix["a"].matched_blocks == 3
     assert ix.score(TOKENS, pods=["b"]).choice.dp_rank is None
+
+
+def test_ttft_picker_and_router_side_prefill_tokens():
+    ix = indexer(picker="ttft")
+    assert ix.picker.name == "ttft"
+    store(ix, "a", 8)  # a holds 32 of the 40 tokens
+    assert ix.loads() == {}
+    r = ix.score(TOKENS, ["a", "b"])
+    assert r.pod == "a" and r.choice.picker == "ttft"
+    assert r.choice.explanation["a"].uncached_tokens == 8 and r.choice.explanation["b"].uncached_tokens == 40
+    # untracked: loads carry no prefill_tokens; tracked once a router passes them
+    ix.request_started("a")
+    assert ix.loads()["a"].prefill_tokens is None
+    ix.request_started("a", 100)
+    ix.request_started("b", 30)
+    assert ix.loads()["a"].prefill_tokens == 100 and ix.loads()["b"].prefill_tokens == 30
+    # a now has 100 tokens of prefill queued: 100 + 8 > 30 + 40, b wins
+    assert ix.score(TOKENS, ["a", "b"]).pod == "b"
+    ix.request_prefilled("a", 100)
+    ix.request_finished("b", 30)
+    loads = ix.loads()
+    assert loads["a"].prefill_tokens == 0 and loads["b"].prefill_tokens == 0
+    assert (loads["a"].in_flight, loads["b"].in_flight) == (2, 0)
+    assert ix.score(TOKENS, ["a", "b"]).pod == "a"

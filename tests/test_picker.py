@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scorer.load import LoadSnapshot
-from scorer.picker import Choice, LoadPicker, PickerWeights, RandomPicker, WeightedPicker
+from scorer.picker import Choice, LoadPicker, PickerWeights, RandomPicker, TTFTPicker, WeightedPicker
 from scorer.prefix import PrefixScore
 
 PODS = ["pod-a", "pod-b", "pod-c", "pod-d", "pod-e", "pod-f"]
@@ -203,3 +203,82 @@ def test_explain_table_and_roundtrip():
     assert lines[3].split()[0] == "b" and "0.25" in lines[3]
     # the choice is a plain msgspec struct: JSON round trip
     assert msgspec.json.decode(msgspec.json.encode(c), type=Choice) == c
+
+
+# -- TTFTPicker: cost = queued + uncached x (1 + kv_pressure x usage)
+
+
+def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure):
+    """Plain recomputation of every cost and the winner (lowest cost, then shorter queue, then pod id)."""
+    pods = list(dict.fromkeys(candidates))
+    cost = {}
+    for p in pods:
+        ps = prefix.get(p)
+        cached = 0.0
+        if ps is not None and ps.matched_blocks > 0:
+            cached = min(max(ps.weighted_blocks, 0.0) * ps.matched_tokens / ps.matched_blocks, max(0, prompt - 1))
+        ld = loads.get(p, LoadSnapshot())
+        use = min(1.0, max(0.0, ld.kv_usage))
+        queued = ld.prefill_tokens if ld.prefill_tokens is not None else ld.waiting * prompt
+        cost[p] = queued + max(0.0, prompt - cached) * (1 + kv_pressure * use)
+    best = min(pods, key=lambda p: (cost[p], loads.get(p, LoadSnapshot()).waiting + loads.get(p, LoadSnapshot()).in_flight, p))
+    return best, cost
+
+
+@st.composite
+def ttft_cases(draw):
+    candidates = draw(st.lists(st.sampled_from(PODS), min_size=1, max_size=8))
+    prompt = draw(st.integers(0, 4000))
+    prefix = {}
+    for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True)):
+        blocks = draw(st.integers(1, 64))
+        w = draw(st.sampled_from([1.0, 0.8, 0.5]))
+        prefix[p] = PrefixScore(pod=p, matched_blocks=blocks, matched_tokens=16 * blocks,
+                                weighted_blocks=w * blocks, coverage=min(1.0, 16 * w * blocks / max(1, prompt)))
+    loads = {
+        p: LoadSnapshot(waiting=draw(st.integers(0, 20)), kv_usage=draw(usages), in_flight=draw(st.integers(0, 5)),
+                        prefill_tokens=draw(st.none() | st.floats(0.0, 50_000.0, allow_subnormal=False)))
+        for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True))
+    }
+    return prefix, loads, candidates, prompt, draw(st.sampled_from([0.0, 1.0, 10.0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ttft_cases())
+def test_ttft_picker_matches_oracle(case):
+    prefix, loads, candidates, prompt, kvp = case
+    c = TTFTPicker(kv_pressure=kvp).pick(prefix, loads, candidates, prompt_tokens=prompt)
+    best, cost = oracle_ttft(prefix, loads, candidates, prompt, kvp)
+    assert c.pod == best
+    assert c.score == pytest.approx(-cost[best])
+    assert set(c.explanation) == set(candidates) and next(iter(c.explanation)) == best
+    for p, e in c.explanation.items():
+        assert e.cost == pytest.approx(cost[p]) and e.total == pytest.approx(-cost[p])
+        assert 0 <= e.uncached_tokens <= prompt
+    assert TTFTPicker(kv_pressure=kvp).pick(
+        prefix, loads, list(reversed(candidates)), prompt_tokens=prompt).pod == c.pod
+
+
+def test_ttft_picker_worked_example_and_explain():
+    # 2,000-token prompt; a holds 1,600 cached tokens but has 3,000 tokens of prefill queued.
+    prefix = {"a": PrefixScore(pod="a", matched_blocks=100, matched_tokens=1600, weighted_blocks=100.0, coverage=0.8)}
+    loads = {"a": LoadSnapshot(prefill_tokens=3000.0, kv_usage=0.5), "b": LoadSnapshot(prefill_tokens=0.0, kv_usage=0.0)}
+    p = TTFTPicker(kv_pressure=1.0)
+    c = p.pick(prefix, loads, ["a", "b"], prompt_tokens=2000)
+    # a: 3000 + 400 x 1.5 = 3600 ; b: 0 + 2000 x 1 = 2000
+    assert c.pod == "b" and c.score == -2000.0
+    assert c.explanation["a"].cost == 3600.0 and c.explanation["a"].uncached_tokens == 400
+    assert "queued prefill" in c.explanation["a"].reason
+    lines = c.explain().splitlines()
+    assert lines[0].startswith("picker=ttft chosen=b cost=2000 tokens")
+    assert lines[2].startswith("*  b")
+    # less queued work on a: the prefix wins
+    loads["a"] = LoadSnapshot(prefill_tokens=500.0, kv_usage=0.5)
+    assert p.pick(prefix, loads, ["a", "b"], prompt_tokens=2000).pod == "a"
+    # the prompt length is estimated from the coverage when not given (1,600 / 0.8)
+    assert p.pick(prefix, loads, ["a", "b"]).explanation["b"].uncached_tokens == 2000
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            TTFTPicker(kv_pressure=bad)
+    with pytest.raises(ValueError):
+        p.pick(prefix, loads, ["a"], prompt_tokens=-3)

@@ -1,0 +1,254 @@
+"""Routing policies compared in the simulator.
+
+Each reads what a real router would: the engines' scraped load
+(``LoadSnapshot``: waiting, running, KV usage, refreshed every
+``metrics_interval``), the router's own counts (in flight, predicted prefill
+tokens), and, for the KV-aware ones, the library's real index through the real
+prefix scorer (:func:`scorer.prefix.score_prefix` / ``Indexer.score``).
+
+* ``random``: uniform draw.
+* ``load``: llm-d's load-only profile: 2 x kv-usage score + 2 x queue score.
+* ``approximate``: llm-d's estimated prefix-cache scorer: a routing-history
+  index (the blocks of every prompt routed to a pod, LRU per pod, capacity
+  31,250 blocks of 16 tokens as llm-d's default ``lruCapacityPerServer``,
+  at most 256 blocks matched), score = matched / request blocks; 3:2:2 with
+  kv-usage and queue.  It never learns of evictions.
+* ``precise``: llm-d-precise-equivalent: the index's longest prefix per pod,
+  min-max normalised over the pods with a hit (pods without one score 0; all
+  hit pods tie at 1 when equal), 3 x prefix + 2 x (1 - kv usage) + 2 x queue
+  (min-max normalised waiting queue, inverted), argmax with random ties.
+* ``dynamo``: Dynamo's KV router cost, lowest wins: blocks to prefill
+  (request blocks - matched blocks, overlap weight 1) + the active blocks of
+  the pod's in-flight requests (router-tracked decode load).
+* ``kvindex-weighted``: the library's WeightedPicker (absolute coverage, queue
+  = waiting + in flight).
+* ``kvindex``: the library's default picker (``Indexer()``'s configuration).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from bench.sim.engine import SimRequest
+from indexer import Indexer
+from scorer.load import LoadSnapshot
+from scorer.picker import RandomPicker
+from scorer.prefix import score_prefix
+
+__all__ = ["SCHEDULERS", "Scheduler", "View", "make_scheduler"]
+
+
+class View:
+    """What a router sees at decision time (filled in by the cluster loop).
+
+    pods: candidate pod ids; loads: pod -> LoadSnapshot (engine metrics as of
+    the last scrape, plus the router's in_flight and prefill_tokens); ix: the
+    Indexer whose index the KV events feed; active_blocks: pod -> blocks of
+    the prompts in flight there (router-tracked).
+    """
+
+    def __init__(self, pods: Sequence[str], ix: Indexer) -> None:
+        self.pods = list(pods)
+        self.ix = ix
+        self.loads: dict[str, LoadSnapshot] = {}
+        self.active_blocks: dict[str, int] = dict.fromkeys(self.pods, 0)
+        self.now = 0.0
+
+
+class Scheduler:
+    """Base: ``choose`` returns (pod, predicted uncached prompt tokens on it)."""
+
+    name = "base"
+    reads_index = False
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def routed(self, req: SimRequest, pod: str, view: View) -> None:
+        """Called once the request is sent to ``pod``."""
+
+
+def _argmax_random(totals: dict[str, float], rng: random.Random) -> str:
+    best = max(totals.values())
+    tied = sorted(p for p, t in totals.items() if t >= best - 1e-12)
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def _llmd_load_terms(view: View) -> tuple[dict[str, float], dict[str, float]]:
+    """llm-d's kv-cache-utilization score (1 - usage) and queue score (min-max of waiting, inverted)."""
+    kv = {p: 1.0 - view.loads[p].kv_usage for p in view.pods}
+    w = {p: view.loads[p].waiting for p in view.pods}
+    lo, hi = min(w.values()), max(w.values())
+    q = {p: 1.0 if hi == lo else (hi - w[p]) / (hi - lo) for p in view.pods}
+    return kv, q
+
+
+class RandomScheduler(Scheduler):
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.picker = RandomPicker(seed)
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        return self.picker.pick({}, view.loads, view.pods).pod, len(req.prompt)
+
+
+class LoadScheduler(Scheduler):
+    name = "load"
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        kv, q = _llmd_load_terms(view)
+        return _argmax_random({p: 2 * kv[p] + 2 * q[p] for p in view.pods}, self.rng), len(req.prompt)
+
+
+class PreciseScheduler(Scheduler):
+    """llm-d-precise-equivalent (see the module doc)."""
+
+    name = "precise"
+    reads_index = True
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        ix = view.ix
+        keys = ix.request_keys(req.prompt)
+        scores = score_prefix(ix.index, keys, view.pods, block_size=ix.token_processor.block_size)
+        raw = {p: scores[p].matched_blocks for p in view.pods}
+        hits = [v for v in raw.values() if v > 0]
+        pref: dict[str, float] = dict.fromkeys(view.pods, 0.0)
+        if hits:
+            lo, hi = min(hits), max(hits)
+            for p, v in raw.items():
+                if v > 0:
+                    pref[p] = 1.0 if hi == lo else (v - lo) / (hi - lo)
+        kv, q = _llmd_load_terms(view)
+        pod = _argmax_random({p: 3 * pref[p] + 2 * kv[p] + 2 * q[p] for p in view.pods}, self.rng)
+        return pod, len(req.prompt) - scores[pod].matched_tokens
+
+
+class ApproximateScheduler(Scheduler):
+    """llm-d's estimated prefix-cache scorer on routing history (see the module doc)."""
+
+    name = "approximate"
+
+    def __init__(self, seed: int, block_size: int = 64, lru_tokens: int = 31_250 * 16, max_blocks: int = 256) -> None:
+        super().__init__(seed)
+        self.capacity = max(1, lru_tokens // block_size)
+        self.max_blocks = max_blocks
+        self.history: dict[str, OrderedDict[int, None]] = {}
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        keys = view.ix.request_keys(req.prompt)[: self.max_blocks].tolist()
+        n = max(1, len(keys))
+        bs = view.ix.token_processor.block_size
+        pref = {}
+        matched = {}
+        for p in view.pods:
+            h = self.history.get(p)
+            m = 0
+            if h is not None:
+                for k in keys:
+                    if k not in h:
+                        break
+                    m += 1
+            matched[p] = m
+            pref[p] = m / n
+        kv, q = _llmd_load_terms(view)
+        pod = _argmax_random({p: 3 * pref[p] + 2 * kv[p] + 2 * q[p] for p in view.pods}, self.rng)
+        req.meta = (req.meta, keys)
+        return pod, len(req.prompt) - matched[pod] * bs
+
+    def routed(self, req: SimRequest, pod: str, view: View) -> None:
+        stage, keys = req.meta
+        req.meta = stage
+        h = self.history.setdefault(pod, OrderedDict())
+        for k in keys:
+            h[k] = None
+            h.move_to_end(k)
+        while len(h) > self.capacity:
+            h.popitem(last=False)
+
+
+class DynamoScheduler(Scheduler):
+    """Dynamo-like KV router cost (see the module doc)."""
+
+    name = "dynamo"
+    reads_index = True
+
+    def __init__(self, seed: int, overlap_weight: float = 1.0) -> None:
+        super().__init__(seed)
+        self.overlap_weight = overlap_weight
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        ix = view.ix
+        keys = ix.request_keys(req.prompt)
+        scores = score_prefix(ix.index, keys, view.pods, block_size=ix.token_processor.block_size)
+        n = len(keys)
+        logits = {p: -(self.overlap_weight * (n - scores[p].matched_blocks) + view.active_blocks[p]) for p in view.pods}
+        pod = _argmax_random(logits, self.rng)
+        return pod, len(req.prompt) - scores[pod].matched_tokens
+
+
+class IndexerScheduler(Scheduler):
+    """The library's own choice: ``Indexer.score`` with the Indexer's picker,
+    pods tied on the picker's total taking turns (as the reference router),
+    then what ``Indexer.route`` does for the chosen pod (in-flight count, and
+    speculative entries when ``speculative_ttl`` > 0).
+
+    ``picker``: None = the library's default configuration; else the
+    ``scorer_config.picker`` the cluster configures the Indexer with.
+    """
+
+    name = "kvindex"
+    reads_index = True
+
+    def __init__(self, seed: int, picker: str | None = None, name: str | None = None) -> None:
+        super().__init__(seed)
+        self._turn = 0
+        self.config_picker = picker
+        if name:
+            self.name = name
+
+    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
+        ix = view.ix
+        result = ix.score(req.prompt, view.pods, loads=view.loads)
+        assert result.pod is not None and result.choice is not None
+        pod = result.pod
+        # as the reference router (examples/router): pods with the same total take turns
+        best = result.choice.score
+        tied = sorted(p for p, e in result.choice.explanation.items() if abs(e.total - best) <= 1e-9)
+        if len(tied) > 1:
+            pod = tied[self._turn % len(tied)]
+            self._turn += 1
+        # then what Indexer.route does for the chosen pod
+        ix.request_started(pod)
+        if ix.speculative_ttl > 0 and result.request_blocks:
+            ix.index.add_speculative(ix.request_keys(req.prompt), pod, ix.speculative_ttl)
+        return pod, len(req.prompt) - result.predicted_cached_tokens(pod)
+
+
+SCHEDULERS = ("random", "load", "approximate", "precise", "dynamo", "kvindex-weighted", "kvindex")
+
+
+def make_scheduler(name: str, seed: int, block_size: int) -> Scheduler:
+    """A scheduler by name (one of :data:`SCHEDULERS`, or ``kvindex-ttft``)."""
+    if name == "random":
+        return RandomScheduler(seed)
+    if name == "load":
+        return LoadScheduler(seed)
+    if name == "approximate":
+        return ApproximateScheduler(seed, block_size=block_size)
+    if name == "precise":
+        return PreciseScheduler(seed)
+    if name == "dynamo":
+        return DynamoScheduler(seed)
+    if name == "kvindex":
+        return IndexerScheduler(seed)
+    if name.startswith("kvindex-"):
+        return IndexerScheduler(seed, picker=name.removeprefix("kvindex-"), name=name)
+    raise ValueError(f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}")
+

