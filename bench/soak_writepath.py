@@ -74,6 +74,8 @@ def main() -> None:
         ModelEngine(pod, model, rank, paths, buffer_steps=10_000 if i % 4 else 64, capacity=64)
         for i, (pod, model, rank) in enumerate(PUBLISHERS)
     ]
+    for e in engines:
+        e.clear_p = 0.0005  # prefix-cache resets are rare in a fleet
     server = ReplayServer(engines)
     index = KVBlockIndex(tp)
     pool = EventPool(index, concurrency=4, queue_size=args.queue_size, replay_timeout=3.0)

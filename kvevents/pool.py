@@ -103,7 +103,8 @@ class PoolStats(msgspec.Struct, frozen=True):
     seen; gaps_unrecovered: gaps a replay could not fill (no endpoint, timeout, or the engine's buffer
     no longer held them); replay_requests / replayed_batches: replays asked and
     batches they returned; duplicates: batches skipped as already applied;
-    restarts: engine restarts detected (seq went back); dropped_messages: lost
+    restarts: engine restarts confirmed (see the restart rule in
+    :mod:`kvevents.sequencer`); dropped_messages: lost
     to full queues; resyncs: replays started by the overflow policy; orphans:
     blocks that waited for an unknown parent (from the index); queued: messages
     waiting now; stale: live messages skipped because a replay had already

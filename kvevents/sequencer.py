@@ -43,11 +43,26 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   when the stream's next message continues it (candidate seq + 1); a message
   that continues our own sequence instead discards the candidate.  So one
   hostile or corrupt message (e.g. seq 2**64 - 2) can never clear a pod.
+- A message with the next seq but an engine timestamp older than the last
+  applied batch's is checked against the buffer (with a replay endpoint): it
+  is a previous process's message still queued after the stream moved on to
+  its successor.
 - A forward jump is accepted only when the engine's buffer knows the seq: a
-  gap replay that ended normally without reaching the message's seq means no
-  process published it (it is dropped, counted ``unconfirmed``), unless the
-  replay returned nothing at all (an engine without a buffer), in which case
-  the next message must continue it, as above.
+  gap replay (asked from our last seq) that ended normally without reaching
+  the message's seq means no process published it (it is dropped, counted
+  ``unconfirmed``).  A replay answering nothing at all from our last seq
+  means the engine no longer has our last batch nor anything after it: a new
+  process whose seqs are below ours (a restart: cleared and rebuilt from its
+  seq 0).  A first message the engine's (empty) buffer does not hold is
+  dropped: vLLM buffers each batch as it publishes it.  When the replay
+  endpoint does not answer, the message waits for the stream's next message
+  to continue it, as without an endpoint.
+- A message inside a range a replay skipped is stale only when its engine
+  time is not newer than the last applied batch's; a newer one may be a new
+  process starting over, and is checked like a backward seq.
+- A stream's first message (new, or after a clear) is checked against the
+  replay buffer too, even at seq 0: the stream is built from the engine's
+  buffer from seq 0 and the message applies only if the buffer confirms it.
 - After a disconnect, the next message is applied directly only when it
   continues the sequence; otherwise (and at once on reconnect) the process is
   checked as for a restart.  A confirmed same process is then replayed from
@@ -255,6 +270,9 @@ class Sequencer:
                     self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
                     self._apply(out, cb)
                     self.exact = cb.seq == 0 or cb.resets
+                elif self.last is None and cb.seq == 0:
+                    self.exact = True  # a stream starting at seq 0, confirmed by its next message
+                    self._apply(out, cb)
                 else:
                     out.append(Count("gaps_unrecovered"))
                     self.exact = False
@@ -285,6 +303,11 @@ class Sequencer:
         if self.last is None:
             return out + self._fresh(b)
         if b.seq == self.last + 1:
+            if self.has_replay and self.last_ts is not None and b.ts < self.last_ts:
+                # the next seq with an older engine time: a previous process's message still
+                # queued after we moved to its successor (whose buffer is asked instead)
+                self._pending = b
+                return self._start_replay(out, "gap", self.last + 1)
             self._apply(out, b)
             self._forget_passed(b.seq)
             self._set_complete(out, "in sequence")
@@ -302,15 +325,16 @@ class Sequencer:
     def _fresh(self, b: Batch) -> list[Action]:
         """First message of a stream we hold nothing of (new, or cleared)."""
         out: list[Action] = []
+        if self.has_replay:
+            # even a seq 0 is checked against the engine's buffer: one message cannot start a stream
+            self._pending = b
+            return self._start_replay(out, "fresh", 0)
         if b.seq == 0:
             self.exact = True
             self.lost = False
             self._apply(out, b)
             self._set_complete(out, "started at seq 0")
             return out
-        if self.has_replay:
-            self._pending = b
-            return self._start_replay(out, "fresh", 0)
         # joined late without a replay: what came before is unknown
         self.exact = False
         self._apply(out, b)
@@ -322,7 +346,9 @@ class Sequencer:
         if self._replayed.get(b.seq) == b.ts:
             out.append(Count("duplicates"))
             return out
-        if self._in_hole(b.seq):
+        if self._in_hole(b.seq) and (self.last_ts is None or b.ts <= self.last_ts):
+            # published before the batches a replay moved us to (a newer engine time would
+            # be a new process starting over: checked below)
             out.append(Count("stale"))
             return out
         if self.has_replay:
@@ -384,6 +410,12 @@ class Sequencer:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
         op, self._op = self._op, None
+        if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
+            # the engine holds nothing from our last batch on: a new process whose seqs are
+            # still below ours (the pending message, if any, is judged after its rebuild)
+            out.append(Count("restarts"))
+            self._clear(out, "the engine's buffer no longer has our last batch nor anything after it")
+            return self._start_replay(out, "restart", 0)
         pending, self._pending = self._pending, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
@@ -397,17 +429,22 @@ class Sequencer:
                 self.exact = False
         if pending is not None:
             if self.last is None:
-                # nothing usable came back (an empty buffer, or the replay failed): what
-                # came before this message is unknown
-                self.exact = pending.seq == 0
-                self._apply(out, pending)
+                if ok:
+                    # the engine's buffer is empty: it has not published this message (vLLM
+                    # buffers a batch as it publishes it); its next message starts the stream
+                    out.append(Count("unconfirmed"))
+                else:
+                    self._candidate = ("fwd", pending)  # could not ask: the next message must continue it
             elif pending.seq <= self.last:
                 if self._replayed.get(pending.seq) == pending.ts:
                     out.append(Count("duplicates"))
                 else:
                     out.append(Count("stale" if self._in_hole(pending.seq) else "unconfirmed"))
             elif pending.seq == self.last + 1:
-                self._apply(out, pending)
+                if ok and self.last_ts is not None and pending.ts < self.last_ts:
+                    out.append(Count("unconfirmed"))  # older than the batch before it: not this process's
+                else:
+                    self._apply(out, pending)
             elif ok and self._r_count > 0:
                 out.append(Count("unconfirmed"))  # beyond the engine's newest batch
             else:

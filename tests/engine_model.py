@@ -94,6 +94,10 @@ class ModelEngine:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self.bad_event_batches = 0  # batches with a malformed event since the last restart / clear
+        self.clear_p = 0.03  # share of random operations that are a prefix-cache reset (AllBlocksCleared)
+
+    def __repr__(self) -> str:
+        return f"ModelEngine({self.pod!r}, {self.model!r}, {self.dp_rank})"
 
     # -- state
 
@@ -148,7 +152,7 @@ class ModelEngine:
                 events += self._remove(rnd, "gpu")
             elif r < 0.9:
                 events += self._offload(rnd)
-            elif r < 0.97:
+            elif r < 1.0 - self.clear_p:
                 events += self._remove(rnd, "cpu")
             else:
                 self.held.clear()

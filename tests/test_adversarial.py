@@ -294,6 +294,10 @@ def test_replay_garbage_other_topics_and_silence_are_counted_not_raised():
             s = p.pool.stats()
             assert s.errors_by_kind.get("replay_frames", 0) >= 2
             assert s.errors_by_kind.get("replay_timeout") == 1
+            # the silent endpoint could not confirm "s"'s first message: its next message does
+            assert p.index.pods() == {"a"}
+            p.pool.submit(msg("s", 6, batch_payload([]), Source(pod="s", replay=silent.endpoint)))
+            assert p.pool.flush(10)
             assert p.index.pods() == {"a", "s"}  # the live messages were applied
             assert "other" not in p.index.pods()
     finally:

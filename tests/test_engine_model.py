@@ -204,6 +204,12 @@ class EngineMachine(RuleBasedStateMachine):
             frames = (e.topic, seq_frame(e.next_seq + data.draw(st.integers(1, 1000))), payload)
         if kind == "backward" and e.next_seq == 0:
             return
+        # a well-formed message carrying exactly the seq the stream expects next cannot be told from
+        # the engine's own by any sequence check: not modelled
+        assert self.pool.flush(30)
+        last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}.get((e.pod, e.model, e.dp_rank))
+        if kind != "unreadable" and last is not None and int.from_bytes(frames[1], "big") == last + 1:
+            return
         self.send(e, frames)
 
     @rule()
@@ -313,9 +319,9 @@ COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomiz
 
 def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
     machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=120, stateful_step_count=40, **COMMON))
+    run_state_machine_as_test(machine, settings=settings(max_examples=250, stateful_step_count=40, **COMMON))
 
 
 def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:
     machine = type("Machine", (ZmqEngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=25, stateful_step_count=25, **COMMON))
+    run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=25, **COMMON))

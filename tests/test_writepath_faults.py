@@ -92,13 +92,14 @@ def test_gap_the_buffer_only_partly_covers_clears_and_rebuilds(rigs: list[Rig]) 
     rig = Rig(e)
     rigs.append(rig)
     rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10)  # the stream's start is checked against the buffer (one replay)
     e.publish(remove(e, [PATHS.ek(0, 2)]))  # lost, and out of the buffer below
     e.publish(store(e, 1))  # lost, and out of the buffer
     frames = [e.publish(store(e, p)) for p in (2, 3, 4)]
     rig.deliver(e, frames[-1])
     assert rig.pool.flush(10)
     s = rig.pool.stats()
-    assert s.gaps == 1 and s.gaps_unrecovered == 1 and s.restarts == 0 and s.replay_requests == 1
+    assert s.gaps == 1 and s.gaps_unrecovered == 1 and s.restarts == 0 and s.replay_requests == 2
     got = rig.view(e)
     assert (PATHS.ek(0, 2), "gpu") not in got  # the removed block is gone
     assert got <= e.view()
@@ -110,9 +111,10 @@ def test_gap_the_buffer_only_partly_covers_clears_and_rebuilds(rigs: list[Rig]) 
 def test_stale_queued_messages_after_a_partial_replay_are_not_restarts(rigs: list[Rig]) -> None:
     """The issue's minimal form: buffer 5..9; live 0, 2, 3, 4 arrive (1 is lost).
 
-    One replay and no restart; batch 1 is lost for good (what it removed is
-    unknown), so the stream is rebuilt from the buffer, marked incomplete, and
-    the queued 2, 3, 4 are counted stale.
+    One replay (the one checking the stream's start against the buffer) and no
+    restart; batch 1 is lost for good (what it removed is unknown), so the
+    stream is rebuilt from the buffer, marked incomplete, and the queued
+    0, 2, 3, 4 are counted stale.
     """
     e = ModelEngine("pod-a", "m", 0, PATHS, buffer_steps=5)
     rig = Rig(e)
@@ -123,7 +125,7 @@ def test_stale_queued_messages_after_a_partial_replay_are_not_restarts(rigs: lis
     assert rig.pool.flush(10)
     s = rig.pool.stats()
     assert s.replay_requests == 1 and s.restarts == 0 and s.clears == 0
-    assert s.stale == 3 and s.gaps_unrecovered == 1
+    assert s.stale == 4 and s.gaps_unrecovered == 1
     assert rig.view(e) == {(PATHS.ek(p, i), "gpu") for p in range(5, 10) for i in range(3)}
     assert not rig.state(e).complete
     # the live stream catches up: still no restart, nothing re-replayed
@@ -249,6 +251,7 @@ def test_a_restart_whose_seqs_passed_ours_is_caught_by_the_gap_replay(rigs: list
     rigs.append(rig)
     for p in range(2):
         rig.deliver(e, e.publish(store(e, p)))
+    assert rig.pool.flush(10)
     e.restart()
     for p in range(2, 6):
         frames = e.publish(store(e, p))
@@ -274,7 +277,7 @@ def test_two_models_on_one_pod_are_two_streams(rigs: list[Rig]) -> None:
     rig.deliver(b, b.publish(remove(b, [PATHS.ek(2, 2)])))
     assert rig.pool.flush(10)
     s = rig.pool.stats()
-    assert s.restarts == 0 and s.gaps == 0 and s.replay_requests == 0
+    assert s.restarts == 0 and s.gaps == 0 and s.replay_requests == 2  # each stream's start is checked
     assert rig.view(a) == a.view() and rig.view(b) == b.view()
     assert a.view() != b.view()
     assert [(x.model, x.complete) for x in rig.pool.completeness("pod-a")] == [("model-a", True), ("model-b", True)]
