@@ -14,7 +14,7 @@ Example (YAML)::
       hash_seed: 0                   # int or str (0 and "0" are different seeds)
       algorithm: xxh3_chain          # or vllm_sha256_cbor / vllm_sha256
     kv_block_index_config:
-      backend: python                # or native (the compiled core)
+      backend: native                # or python (the pure-Python reference)
       in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
     kv_events_config:
       concurrency: 4
@@ -102,7 +102,7 @@ class KVBlockIndexConfig(_Base, frozen=True):
     core); no fallback from one to the other.
     """
 
-    backend: str = "python"
+    backend: str = "native"
     in_memory_config: InMemoryConfig = msgspec.field(default_factory=InMemoryConfig)
 
     def __post_init__(self) -> None:

@@ -31,10 +31,7 @@ alone; the recency refresh of a match takes it briefly after the walk), and
 every call into it releases the GIL.  Every public method here also holds one
 Python lock for the whole method, as the reference does, so a reader never
 sees half of an event (its parent resolved, its blocks stored, its orphans
-released) and other Python threads run while the core works.  (Readers
-skipping that lock, relying on the core's shared mutex alone, made the
-engine-model test fail under the pool's concurrent shards; the cause is not
-found yet, so readers take it.)
+released) and other Python threads run while the core works.
 """
 
 from __future__ import annotations
