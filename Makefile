@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
+	$(PY) bench/bench_dynamo.py
 	$(PY) -m bench.sim
 
 # The fleet simulator: seed 002's scheduling table and seed 000's P/D curve (bench/out/sim_*).

@@ -14,6 +14,7 @@ Example (YAML)::
       hash_seed: 0                   # int or str (0 and "0" are different seeds)
       algorithm: xxh3_chain          # or vllm_sha256_cbor / vllm_sha256
     kv_block_index_config:
+      backend: native                # or python (the pure-Python reference)
       in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
     kv_events_config:
       concurrency: 4
@@ -37,6 +38,7 @@ import yaml
 
 from kvevents.subscriber import EngineEndpoint
 from kvindex.keys import ALGORITHMS
+from kvindex.protocol import BACKENDS
 from kvevents.pool import DECODERS
 from kvindex.tiers import DEFAULT_TIER_WEIGHTS, TierWeights
 
@@ -93,9 +95,19 @@ class InMemoryConfig(_Base, frozen=True):
 
 
 class KVBlockIndexConfig(_Base, frozen=True):
-    """Index backend choice (only in-memory for now)."""
+    """Index implementation and bounds.
 
+    backend: ``"python"`` (:class:`kvindex.index.KVBlockIndex`, the reference)
+    or ``"native"`` (:class:`kvindex.native.NativeKVBlockIndex`, the compiled
+    core); no fallback from one to the other.
+    """
+
+    backend: str = "native"
     in_memory_config: InMemoryConfig = msgspec.field(default_factory=InMemoryConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 class KVEventsConfig(_Base, frozen=True):

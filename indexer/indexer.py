@@ -28,9 +28,10 @@ import numpy as np
 from indexer.config import Config
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import IndexStats, KVBlockIndex
+from kvindex.index import IndexStats
+from kvindex.protocol import KVIndex, make_index
 from kvindex.keys import TokenProcessor
-from kvindex.tiers import TierWeights
+from kvindex.tiers import TIERS, TierWeights
 from scorer.load import LoadSnapshot
 from scorer.picker import Choice, PickerWeights, TTFTPicker, WeightedPicker
 from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_from_matches
@@ -87,13 +88,14 @@ class Indexer:
     Args:
         config: the configuration (defaults: block size 16, xxh3_chain keys,
             no engines).
-        index: use this index instead of building one from the config.
+        index: use this index (any :class:`kvindex.protocol.KVIndex`) instead of
+            building the one ``kv_block_index_config.backend`` names.
 
     The write path runs only between :meth:`start` and :meth:`stop`; the read
     path (:meth:`score`) works at any time on whatever the index holds.
     """
 
-    def __init__(self, config: Config | None = None, *, index: KVBlockIndex | None = None) -> None:
+    def __init__(self, config: Config | None = None, *, index: KVIndex | None = None) -> None:
         self.config = cfg = config or Config()
         tpc = cfg.token_processor_config
         self.token_processor = (
@@ -108,8 +110,11 @@ class Indexer:
             )
         )
         mem = cfg.kv_block_index_config.in_memory_config
-        self.index = index or KVBlockIndex(
-            self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks
+        self.index: KVIndex = index if index is not None else make_index(
+            cfg.kv_block_index_config.backend,
+            self.token_processor,
+            capacity=mem.size,
+            max_orphan_blocks=mem.max_orphan_blocks,
         )
         ev = cfg.kv_events_config
         self.pool = EventPool(
@@ -132,6 +137,8 @@ class Indexer:
                 PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
             )
         self.speculative_ttl = sc.speculative_ttl
+        self._bit_weight_cache: list[float] = []
+        self._best_tier_cache: dict[int, str | None] = {}
         self._loads: dict[str, LoadSnapshot] = {}
         self._in_flight: dict[str, int] = {}
         self._prefill: dict[str, float] = {}  # pod -> router-side prompt tokens still to prefill
@@ -273,9 +280,10 @@ class Indexer:
         Raises:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
-        keys = self.request_keys(
-            tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
-        )
+        if getattr(self.index, "match_tokens", None) is None or block_extra_keys is not None or cache_salt:
+            keys = self.request_keys(
+                tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+            )
         self._check_model(model if model is not None else self.config.model_name)
         if loads is None:
             loads = self.loads()
@@ -289,10 +297,20 @@ class Indexer:
             if isinstance(pods, (str, bytes)) or not all(isinstance(p, str) for p in pods):
                 raise TypeError("pods must be a collection of pod ids (str)")
             candidates = list(dict.fromkeys(pods))
-        matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
-        prefix = prefix_scores_from_matches(
-            matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
-        )
+        match_tokens = getattr(self.index, "match_tokens", None)
+        if match_tokens is not None and block_extra_keys is None and not cache_salt:
+            # the compiled read path: keys and every candidate's match in one call
+            keys, summary = match_tokens(
+                tokens, candidates, self._bit_weights(),
+                model=model if model is not None else self.config.model_name, lora=lora,
+            )
+            prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
+                p: PrefixScore(pod=p) for p in candidates}
+        else:
+            matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
+            prefix = prefix_scores_from_matches(
+                matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
+            )
         choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
         if choice is not None and prefix[choice.pod].matched_blocks:
             rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
@@ -306,6 +324,43 @@ class Indexer:
             pod=choice.pod if choice is not None else None,
             prompt_tokens=len(tokens),
         )
+
+    def _bit_weights(self) -> list[float]:
+        """Tier weight per tier bit (registry order), for the compiled read path."""
+        n = len(TIERS)
+        w = self._bit_weight_cache
+        if len(w) != n:
+            w = self._bit_weight_cache = [self.tier_weights.best(1 << b) for b in range(n)]
+        return w
+
+    def _prefix_from_summary(
+        self, summary: Mapping[str, tuple[int, float, int]], request_blocks: int, candidates: Sequence[str]
+    ) -> dict[str, PrefixScore]:
+        """PrefixScore per candidate from (matched blocks, weighted blocks, tier union) per pod;
+        the same values as scorer.prefix.prefix_scores_from_matches on the masks."""
+        bs = self.token_processor.block_size
+        out: dict[str, PrefixScore] = {}
+        for pod in candidates:
+            s = summary.get(pod)
+            if s is None:
+                out[pod] = PrefixScore(pod=pod)
+                continue
+            n, weighted, union = s
+            out[pod] = PrefixScore(
+                pod=pod,
+                matched_blocks=n,
+                matched_tokens=n * bs,
+                weighted_blocks=weighted,
+                coverage=min(1.0, weighted / request_blocks),
+                best_tier=self._best_tier(union),
+            )
+        return out
+
+    def _best_tier(self, mask: int) -> str | None:
+        name = self._best_tier_cache.get(mask, "")
+        if name == "":
+            name = self._best_tier_cache[mask] = self.tier_weights.best_tier(mask)
+        return name
 
     def _check_model(self, model: str | None) -> None:
         """Warn once when scoring a model no event has stored blocks for: keys are

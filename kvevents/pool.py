@@ -47,7 +47,7 @@ from kvevents.replay import ReplayClient
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
-from kvindex.index import KVBlockIndex
+from kvindex.protocol import KVIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
 
@@ -543,7 +543,7 @@ def _as_batch(seq: int, batch: EventBatch) -> Batch:
 
 
 class EventPool:
-    """N shard workers applying KV-event messages to a :class:`KVBlockIndex`.
+    """N shard workers applying KV-event messages to a :class:`~kvindex.protocol.KVIndex`.
 
     Args:
         index: the index to write.
@@ -560,7 +560,7 @@ class EventPool:
 
     def __init__(
         self,
-        index: KVBlockIndex,
+        index: KVIndex,
         *,
         concurrency: int = 4,
         queue_size: int = 10_000,

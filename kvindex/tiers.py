@@ -68,6 +68,10 @@ class _TierRegistry:
                 self._bits[tier] = b
             return b
 
+    def __len__(self) -> int:
+        """Number of tiers registered (bits 0 .. len - 1 are in use)."""
+        return len(self._names)
+
     def names(self, mask: int) -> tuple[str, ...]:
         """Tier names whose bits are set in ``mask``, in registration order."""
         return tuple(n for i, n in enumerate(self._names) if mask >> i & 1)

@@ -46,6 +46,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 from kvevents.pool import EventPool, RawMessage, Source
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.index import KVBlockIndex
+from kvindex.native import NativeKVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer
 from tests.oracle import batch_payload, seq_frame, stored_event
@@ -63,7 +64,7 @@ ZMQ_PUBLISHERS = [("pod-a", "m1", 0), ("pod-a", "m1", 1), ("pod-b", "m2", 0)]
 IndexFactory = Callable[[TokenProcessor], KVBlockIndex]
 
 
-@pytest.fixture(params=[KVBlockIndex], ids=["python"])
+@pytest.fixture(params=[KVBlockIndex, NativeKVBlockIndex], ids=["python", "native"])
 def index_factory(request: pytest.FixtureRequest) -> IndexFactory:
     """Builds the index under test (every index backend is a param here)."""
     return lambda tp: request.param(tp, capacity=1_000_000)

@@ -1,0 +1,675 @@
+"""The compiled KV block index: :class:`NativeKVBlockIndex`.
+
+Same public API and event semantics as the pure-Python reference
+:class:`kvindex.index.KVBlockIndex` (see that module for the semantics, which
+mirror vllm/distributed/kv_events.py, vLLM 0.32); both satisfy
+:class:`kvindex.protocol.KVIndex`, and the stateful tests drive both with the
+same steps and compare every read.
+
+Where the work happens:
+
+- In C++ (``kvindex._native.IndexCore``, native/native.cpp), with the GIL
+  released: level 1 (request key -> holders: pod slot, DP rank, tier mask,
+  engine key) in an open-addressing table over uint64 with an intrusive LRU
+  list by block index; level 2 (engine key -> request key, reference counted);
+  the per-(pod, DP rank) engine key -> request key maps that make a clear cost
+  O(the pod's keys); pod slots, reused when a pod holds nothing; the chaining of
+  an event's request keys (``xxh3_chain``, bit-identical to
+  :mod:`kvindex.keys`) and the storing of all its blocks, in one call; the
+  prefix match of every candidate pod in one walk (:meth:`prefix_match`, and
+  :meth:`prefix_summary` that returns what the scorer needs without a list per
+  block).
+- In Python, here: argument checks, the scope roots and per-block extras of
+  the key chain (blocks with extra keys are chained by
+  :meth:`TokenProcessor.chain` and stored with their keys in one call), the
+  orphan table (blocks waiting for an unknown parent: rare), speculative
+  entries (a router's guesses, with a TTL), the models seen, and the counters
+  those own.
+
+Locking: the core has one shared mutex (readers share it, a writer holds it
+alone; the recency refresh of a match takes it briefly after the walk), and
+every call into it releases the GIL.  Every public method here also holds one
+Python lock for the whole method, as the reference does, so a reader never
+sees half of an event (its parent resolved, its blocks stored, its orphans
+released) and other Python threads run while the core works.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterable, Sequence
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from kvindex import _native
+from kvindex.index import ALL_MODELS, IndexStats, PodEntry, _Orphan
+from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
+from kvindex.tiers import GPU, tier_bit, tier_names
+
+__all__ = ["NativeKVBlockIndex"]
+
+_GPU_BIT = tier_bit(GPU)
+
+
+def _rank(dp_rank: int) -> int:
+    r = int(dp_rank)
+    if not -(2**31) <= r < 2**31:
+        raise ValueError(f"dp_rank out of range: {dp_rank}")
+    return r
+
+
+class NativeKVBlockIndex:
+    """The two-level KV block index with its data in compiled code.
+
+    Args and errors: as :class:`kvindex.index.KVBlockIndex` (token_processor,
+    capacity >= 1, max_orphan_blocks >= 0, clock).  Holds at most 65,535 pods
+    with blocks at once and 2**32 - 2 request keys (capacity is capped there).
+    """
+
+    def __init__(
+        self,
+        token_processor: TokenProcessor | None = None,
+        *,
+        capacity: int = 1_000_000,
+        max_orphan_blocks: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if max_orphan_blocks < 0:
+            raise ValueError(f"max_orphan_blocks must be >= 0, got {max_orphan_blocks}")
+        self.token_processor = token_processor or TokenProcessor()
+        self.block_size = self.token_processor.block_size
+        self.capacity = capacity
+        self.max_orphan_blocks = max_orphan_blocks
+        self._compat = bool(self.token_processor.engine_compatible)
+        self._clock = clock
+        self._core = _native.IndexCore(min(capacity, 2**32 - 3), self._compat)
+        self._lock = threading.RLock()  # writers, orphans, speculative entries
+        if not self._compat:
+            tp = self.token_processor
+            self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
+            self._A = tp._A
+        # orphans: (model, unknown parent engine key) -> waiting stores (as the reference)
+        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
+        self._orphan_blocks = 0
+        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
+        self._models: set[str | None] = set()
+        # model name -> the core's 16-bit model id (0 = None); never reused
+        self._model_ids: dict[str | None, int] = {None: 0}
+        self._spec: dict[int, dict[str, float]] = {}
+        self._spec_order: SortedList = SortedList()
+        self._spec_by_pod: dict[str, set[int]] = {}
+        # held by request key (kvindex.index.KVBlockIndex.add_held): pod -> key -> tier bit -> count; masks
+        self._held: dict[str, dict[int, dict[int, int]]] = {}
+        self._held_mask: dict[str, dict[int, int]] = {}
+        # counters kept here; the core keeps evictions, stored/removed blocks, unknown removals/offloads
+        self._c = dict.fromkeys(
+            (
+                "removed_blocks",
+                "unknown_removals",
+                "orphans",
+                "orphans_attached",
+                "orphans_dropped",
+                "speculative_confirmed",
+                "speculative_expired",
+                "clears",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ write
+
+    def block_stored(
+        self,
+        pod: str,
+        dp_rank: int,
+        engine_keys: Sequence[int],
+        parent_engine_key: int | None,
+        token_ids: Sequence[int] | None,
+        tier: str,
+        *,
+        block_size: int | None = None,
+        extra_keys: Sequence[Sequence | None] | None = None,
+        lora_name: str | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Apply one BlockStored event (as :meth:`kvindex.index.KVBlockIndex.block_stored`)."""
+        bit = tier_bit(tier)
+        rank = _rank(dp_rank)
+        with self._lock:
+            mid = self._mid(model)
+            if token_ids is None or len(token_ids) == 0:
+                done = _u64(self._core.store_tokenless(pod, rank, mid, engine_keys, bit))
+                if self._spec:
+                    self._confirm_many(pod, done)
+                return len(done)
+            if block_size is not None and block_size != self.block_size:
+                raise ValueError(f"event block_size {block_size} != index block_size {self.block_size}")
+            if len(token_ids) != self.block_size * len(engine_keys):
+                raise ValueError(f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}")
+            if model not in self._models:
+                self._models.add(model)
+            extras = extra_keys_from_event(extra_keys, lora_name)
+            if lora_name is None and extra_keys:
+                lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
+            if extras is not None:
+                if len(extras) != len(engine_keys):
+                    raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
+                if all(e is None for e in extras):
+                    extras = None
+            if self._compat:
+                n = self._core.store_keys(pod, rank, mid, engine_keys, engine_keys, bit)
+                if self._spec:
+                    self._confirm_many(pod, engine_keys)
+                return n
+            item = _Orphan(pod, rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
+            if parent_engine_key is None:
+                return self._attach(item, None)
+            parent_rk = self._core.resolve(pod, rank, mid, parent_engine_key)
+            if parent_rk is None:
+                self._add_orphan(parent_engine_key, item)
+                return 0
+            return self._attach(item, parent_rk)
+
+    def block_removed(
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+    ) -> int:
+        """Apply one BlockRemoved of publisher (pod, rank, model) (as the reference)."""
+        bit = tier_bit(tier)
+        rank = _rank(dp_rank)
+        keys = engine_keys if isinstance(engine_keys, (list, tuple, np.ndarray)) else list(engine_keys)
+        with self._lock:
+            mid = self._model_ids.get(model)
+            hits = self._core.remove(pod, rank, mid, keys, bit) if mid is not None else [False] * len(keys)
+            removed = 0
+            by_ek = self._orphan_by_ek
+            for ek, hit in zip(keys, hits):
+                # the same block may also wait in a store whose parent is unknown: drop it there too
+                waiting = by_ek.get((pod, rank, model, int(ek))) if by_ek else None
+                for w in waiting or ():
+                    if w.tier & bit and ek not in w.removed:
+                        w.removed.add(ek)  # never attach a block the engine dropped meanwhile
+                        hit = True
+                if hit:
+                    removed += 1
+                else:
+                    self._c["unknown_removals"] += 1
+            self._c["removed_blocks"] += removed
+        return removed
+
+    def clear(self, pod: str, dp_rank: int | None = None, *, model=ALL_MODELS) -> int:
+        """Forget what ``pod`` holds (rank ``dp_rank``, ``model`` only if given); O(the pod's keys).
+
+        As :meth:`kvindex.index.KVBlockIndex.clear`: drops the pod's orphans and,
+        without a rank or model, its speculative and held entries; returns the
+        entries removed.
+        """
+        rank = None if dp_rank is None else _rank(dp_rank)
+        every = model is ALL_MODELS
+        with self._lock:
+            mid = -1 if every else self._model_ids.get(model)
+            n = self._core.clear(pod, rank, mid) if mid is not None else 0
+            self._drop_orphans_of(pod, rank, model)
+            if rank is None and every:
+                held = self._held.pop(pod, None)
+                self._held_mask.pop(pod, None)
+                n += len(held or ())
+                for rk in self._spec_by_pod.pop(pod, ()):
+                    holders = self._spec.get(rk)
+                    expiry = holders.pop(pod, None) if holders is not None else None
+                    if expiry is not None:
+                        self._spec_order.discard((expiry, rk, pod))
+                        n += 1
+                        if not holders:
+                            del self._spec[rk]
+            if n:
+                self._c["clears"] += 1
+        return n
+
+    def add_speculative(self, request_keys: Iterable[int], pod: str, ttl: float, dp_rank: int = 0) -> None:
+        """Count ``pod`` as holding ``request_keys`` for ``ttl`` seconds (as the reference).
+
+        Raises:
+            ValueError: ttl not in (0, 86400).
+        """
+        if not 0 < ttl < 86_400:
+            raise ValueError(f"ttl must be in (0, 86400) seconds, got {ttl}")
+        expiry = self._clock() + ttl
+        keys = [int(k) for k in request_keys]
+        with self._lock:
+            self._expire(expiry - ttl)
+            held = self._core.pod_holds_many(pod, keys) if keys else []
+            mine = self._spec_by_pod.setdefault(pod, set())
+            for rk, has in zip(keys, held):
+                if has:
+                    continue
+                holders = self._spec.setdefault(rk, {})
+                old = holders.get(pod)
+                if old is not None:
+                    self._spec_order.discard((old, rk, pod))
+                holders[pod] = expiry
+                mine.add(rk)
+                self._spec_order.add((expiry, rk, pod))
+
+    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
+        """Count ``pod`` as holding ``request_keys`` in ``tier`` until removed (as the reference)."""
+        bit = tier_bit(tier)
+        with self._lock:
+            held = self._held.setdefault(pod, {})
+            masks = self._held_mask.setdefault(pod, {})
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.setdefault(rk, {})
+                counts[bit] = counts.get(bit, 0) + 1
+                masks[rk] = masks.get(rk, 0) | bit
+
+    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
+        """Undo one :meth:`add_held`; returns the entries that ended (as the reference)."""
+        bit = tier_bit(tier)
+        ended = 0
+        with self._lock:
+            held = self._held.get(pod)
+            if held is None:
+                return 0
+            masks = self._held_mask[pod]
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.get(rk)
+                c = counts.get(bit) if counts is not None else None
+                if c is None:
+                    continue
+                if c > 1:
+                    counts[bit] = c - 1
+                    continue
+                del counts[bit]
+                ended += 1
+                if counts:
+                    masks[rk] &= ~bit
+                else:
+                    del held[rk]
+                    del masks[rk]
+            if not held:
+                del self._held[pod]
+                del self._held_mask[pod]
+        return ended
+
+    # ------------------------------------------------------------------- read
+
+    def prefix_match(
+        self, request_keys: Sequence[int], pods: Collection[str] | None = None
+    ) -> dict[str, list[int]]:
+        """Longest consecutive prefix each pod holds, as tier masks per block.
+
+        As :meth:`kvindex.index.KVBlockIndex.prefix_match` (speculative entries
+        count as gpu; the longest match is refreshed for the LRU bound).
+        """
+        if len(request_keys) == 0:
+            return {}
+        keys = _as_keys(request_keys)
+        with self._lock:
+            if self._spec_order:
+                self._expire(self._clock())
+            # pods with speculative or held entries: walked here, the others in the core
+            spec_pods = {p for p, ks in self._spec_by_pod.items() if ks} | self._held.keys()
+            if not spec_pods:
+                return _lists(self._core.prefix_match(keys, None if pods is None else list(pods), True))
+            cands = list(dict.fromkeys(self._core.pods() + sorted(spec_pods) if pods is None else pods))
+            plain = [p for p in cands if p not in spec_pods]
+            out = _lists(self._core.prefix_match(keys, plain, False)) if plain else {}
+            longest = max((len(m) for m in out.values()), default=0)
+            mine = [p for p in cands if p in spec_pods]
+            rows = self._core.pod_masks(keys, mine)
+            klist = keys.tolist()
+            for pod in mine:
+                row = _u64(rows[pod]).tolist()
+                held = self._held_mask.get(pod)
+                masks: list[int] = []
+                for rk, m in zip(klist, row):
+                    if held is not None and rk in held:
+                        m |= held[rk]
+                    if not m:
+                        holders = self._spec.get(rk)
+                        if holders is None or pod not in holders:
+                            break
+                        m = _GPU_BIT
+                    masks.append(m)
+                if masks:
+                    out[pod] = masks
+                    longest = max(longest, len(masks))
+            if longest:
+                self._core.touch(keys[:longest])
+            return out
+
+    def prefix_summary(
+        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None, weights: Sequence[float]
+    ) -> dict[str, tuple[int, float, int]]:
+        """Per pod with a match: (matched blocks, weighted blocks, OR of the tier masks).
+
+        ``weights[b]`` is the weight of tier bit ``b`` (:data:`kvindex.tiers.TIERS`
+        order); a block weighs its best tier.  Same match and recency refresh
+        as :meth:`prefix_match`, without a list per block.
+        """
+        if len(request_keys) == 0:
+            return {}
+        keys = _as_keys(request_keys)
+        with self._lock:
+            if self._spec_by_pod or self._held:
+                return _summarise(self.prefix_match(keys, pods), list(weights))
+            rows, _longest = self._core.prefix_summary(
+                keys, None if pods is None else list(pods), list(weights), True
+            )
+        return {pod: (n, w, u) for pod, n, w, u in rows}
+
+    def match_tokens(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pods: Collection[str] | None,
+        weights: Sequence[float],
+        *,
+        model: str | None = None,
+        lora: str | tuple[str, str] | None = None,
+    ) -> tuple[np.ndarray, dict[str, tuple[int, float, int]]]:
+        """The read path in one compiled call: request keys of ``tokens`` and their prefix summary.
+
+        Returns (``token_processor.request_keys(tokens, model=, lora=)``,
+        :meth:`prefix_summary` of those keys).  Only for ``xxh3_chain`` keys
+        without extra keys (others: compute the keys, then :meth:`prefix_summary`).
+        Raises as :meth:`TokenProcessor.request_keys`.
+        """
+        tp = self.token_processor
+        if self._compat:
+            keys = tp.request_keys(tokens, model=model, lora=lora)
+            return keys, self.prefix_summary(keys, pods, weights)
+        tp._check_scope(model, lora)
+        if not isinstance(tokens, (list, tuple)):
+            tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
+        state = tp._root(model, lora)
+        cands = None if pods is None else list(pods)
+        if self._spec_by_pod or self._held:
+            keys = tp.request_keys(tokens, model=model, lora=lora)
+            return keys, self.prefix_summary(keys, cands, weights)
+        w = list(weights)
+        try:
+            with self._lock:
+                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+        except (TypeError, ValueError):
+            if isinstance(tokens, np.ndarray):
+                raise
+            # the reference's checks and errors (it also takes bools and other int-likes)
+            tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
+            with self._lock:
+                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+        return _u64(keys), {pod: (n, w, u) for pod, n, w, u in rows}
+
+    def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
+        """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""
+        keys = [int(k) for k in request_keys]
+        with self._lock:
+            if self._spec_order:
+                self._expire(self._clock())
+            rows = self._core.lookup(keys) if keys else []
+            out: list[tuple[PodEntry, ...]] = []
+            for rk, row in zip(keys, rows):
+                entries = [PodEntry(pod, t, rank) for pod, mask, rank in row for t in tier_names(mask)]
+                for pod, hm in self._held_mask.items():
+                    if rk in hm:
+                        entries.extend(PodEntry(pod, t, 0) for t in tier_names(hm[rk]))
+                entries.sort()
+                spec = sorted(PodEntry(p, GPU, 0, True) for p in (self._spec.get(rk) or {}))
+                out.append(tuple(entries + spec))
+            return out
+
+    def best_dp_rank(self, pod: str, request_keys: Sequence[int]) -> int | None:
+        """The DP rank of ``pod`` holding the longest consecutive prefix (ties: lower rank)."""
+        keys = _as_keys(request_keys)
+        if len(keys) == 0:
+            return None
+        with self._lock:
+            return self._core.best_dp_rank(pod, keys)
+
+    def request_key_of(self, engine_key: int, model=ALL_MODELS) -> int | None:
+        """Level 2: the request key an engine key maps to under ``model`` (None if unknown).
+
+        With ALL_MODELS (the default) the first model knowing the key answers.
+        """
+        with self._lock:
+            if model is ALL_MODELS:
+                return self._core.request_key_of(int(engine_key), -1)
+            mid = self._model_ids.get(model)
+            return None if mid is None else self._core.request_key_of(int(engine_key), mid)
+
+    def pods(self) -> frozenset[str]:
+        """Pods holding at least one block (real or speculative)."""
+        with self._lock:
+            real = self._core.pods()
+            return frozenset(real).union(self._held.keys(), (p for p, keys in self._spec_by_pod.items() if keys))
+
+    def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
+        """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
+        with self._lock:
+            return set(self._core.pod_keys(pod, None if dp_rank is None else _rank(dp_rank)))
+
+    def models(self) -> frozenset[str | None]:
+        """Models whose blocks events have stored."""
+        with self._lock:
+            return frozenset(self._models)
+
+    def __len__(self) -> int:
+        return len(self._core)
+
+    def stats(self) -> IndexStats:
+        """A snapshot of sizes and counters (see :class:`kvindex.index.IndexStats`)."""
+        with self._lock:
+            s = self._core.stats()
+            c = self._c
+            return IndexStats(
+                keys=s["keys"],
+                entries=s["entries"],
+                engine_keys=s["engine_keys"],
+                pods=s["pods"],
+                evictions=s["evictions"],
+                stored_blocks=s["stored_blocks"],
+                removed_blocks=s["removed_blocks"] + c["removed_blocks"],
+                unknown_removals=s["unknown_removals"] + c["unknown_removals"],
+                unknown_offloads=s["unknown_offloads"],
+                orphan_blocks=self._orphan_blocks,
+                orphans=c["orphans"],
+                orphans_attached=c["orphans_attached"],
+                orphans_dropped=c["orphans_dropped"],
+                speculative=sum(len(h) for h in self._spec.values()),
+                speculative_confirmed=c["speculative_confirmed"],
+                speculative_expired=c["speculative_expired"],
+                clears=c["clears"],
+            )
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the compiled structures (capacities; no allocator overhead)."""
+        return self._core.memory_bytes()
+
+    def check(self) -> None:
+        """Verify the compiled structures' invariants (for tests); raises RuntimeError."""
+        self._core.check()
+
+    # -------------------------------------------------------------- internals
+
+    def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
+        """Store ``item`` under ``parent_rk``, then every orphan it releases."""
+        attached = 0
+        work: list[tuple[_Orphan, int | None]] = [(item, parent_rk)]
+        tp = self.token_processor
+        while work:
+            it, prk = work.pop()
+            if it.removed:
+                rks = tp.chain(prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys)
+                keep = [i for i, ek in enumerate(it.engine_keys) if ek not in it.removed]
+                self._core.store_keys(
+                    it.pod, it.dp_rank, self._mid(it.model), [it.engine_keys[i] for i in keep],
+                    rks[keep] if keep else [], it.tier,
+                )
+                stored_rks = rks[keep]
+                attached += len(keep)
+            elif it.extra_keys is not None:
+                rks = tp.chain(prk, it.token_ids, model=it.model, lora=it.lora_name, block_extra_keys=it.extra_keys)
+                self._core.store_keys(it.pod, it.dp_rank, self._mid(it.model), it.engine_keys, rks, it.tier)
+                stored_rks = rks
+                attached += len(rks)
+            else:
+                state = tp._root(it.model, it.lora_name) if prk is None else int(prk)
+                rks = _u64(self._core.store_chain(
+                    it.pod, it.dp_rank, self._mid(it.model), it.engine_keys, state, it.token_ids, self._K, self._A,
+                    it.tier,
+                ))
+                stored_rks = rks
+                attached += len(rks)
+            if self._spec:
+                self._confirm_many(it.pod, stored_rks)
+            if self._orphans:
+                for ek, rk in zip(it.engine_keys, rks.tolist()):
+                    waiting = self._orphans.pop((it.model, ek), None)
+                    if waiting:
+                        for w in waiting:
+                            self._forget_orphan(w)
+                            self._c["orphans_attached"] += len(w.engine_keys) - len(w.removed)
+                            work.append((w, rk))
+        return attached
+
+    def _confirm_many(self, pod: str, rks: Iterable[int]) -> None:
+        spec = self._spec
+        for rk in (rks.tolist() if hasattr(rks, "tolist") else rks):
+            holders = spec.get(rk)
+            if holders is None:
+                continue
+            expiry = holders.pop(pod, None)
+            if expiry is not None:
+                self._spec_order.discard((expiry, rk, pod))
+                self._c["speculative_confirmed"] += 1
+                if not holders:
+                    del spec[rk]
+                mine = self._spec_by_pod.get(pod)
+                if mine is not None:
+                    mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
+
+    def _mid(self, model: str | None) -> int:
+        """The core's id of ``model`` (assigned on first use)."""
+        mid = self._model_ids.get(model)
+        if mid is None:
+            if len(self._model_ids) >= 0xFFFF:
+                raise ValueError("more than 65,535 models")
+            mid = self._model_ids[model] = len(self._model_ids)
+        return mid
+
+    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
+        n = len(item.engine_keys)
+        self._orphans.setdefault((item.model, parent_ek), []).append(item)
+        self._orphan_blocks += n
+        for ek in item.engine_keys:
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is None:
+                self._orphan_by_ek[key] = [item]
+            else:
+                lst.append(item)  # the same block stored again while waiting (two physical copies)
+        self._c["orphans"] += n
+        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
+            _k, group = self._orphans.popitem(last=False)
+            for g in group:
+                self._forget_orphan(g)
+                self._c["orphans_dropped"] += len(g.engine_keys)
+
+    def _forget_orphan(self, item: _Orphan) -> None:
+        self._orphan_blocks -= len(item.engine_keys)
+        for ek in item.engine_keys:
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is not None:
+                lst[:] = [w for w in lst if w is not item]
+                if not lst:
+                    del self._orphan_by_ek[key]
+
+    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model=ALL_MODELS) -> None:
+        every = model is ALL_MODELS
+        for pk in list(self._orphans):
+            group = self._orphans[pk]
+            keep = [
+                g for g in group
+                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
+            ]
+            if len(keep) != len(group):
+                kept = {id(g) for g in keep}
+                for g in group:
+                    if id(g) not in kept:
+                        self._forget_orphan(g)
+                        self._c["orphans_dropped"] += len(g.engine_keys)
+                if keep:
+                    self._orphans[pk] = keep
+                else:
+                    del self._orphans[pk]
+
+    def _expire(self, now: float) -> None:
+        order = self._spec_order
+        while order and order[0][0] <= now:
+            expiry, rk, pod = order.pop(0)
+            holders = self._spec.get(rk)
+            if holders is not None and holders.get(pod) == expiry:
+                del holders[pod]
+                if not holders:
+                    del self._spec[rk]
+                mine = self._spec_by_pod.get(pod)
+                if mine is not None:
+                    mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
+                self._c["speculative_expired"] += 1
+
+
+def _u64(buf: bytes) -> np.ndarray:
+    """A read-only uint64 array over the compiled core's output bytes."""
+    return np.frombuffer(buf, dtype=np.uint64)
+
+
+def _lists(masks: dict[str, bytes]) -> dict[str, list[int]]:
+    """The core's per-pod mask bytes as lists of ints (numpy's tolist is the fast way)."""
+    return {pod: np.frombuffer(b, dtype=np.uint64).tolist() for pod, b in masks.items()}
+
+
+def _as_keys(request_keys: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Request keys as a contiguous uint64 array (ValueError/OverflowError out of range)."""
+    if isinstance(request_keys, np.ndarray) and request_keys.dtype == np.uint64:
+        return np.ascontiguousarray(request_keys)
+    return np.array([int(k) for k in request_keys], dtype=np.uint64)
+
+
+def _summarise(matches: dict[str, list[int]], weights: list[float]) -> dict[str, tuple[int, float, int]]:
+    out = {}
+    for pod, masks in matches.items():
+        union = 0
+        for m in masks:
+            union |= m
+        counts: dict[int, int] = {}
+        for m in masks:
+            counts[m] = counts.get(m, 0) + 1
+        weighted = 0.0
+        for m, k in counts.items():
+            weighted += _mask_weight(m, weights) * k
+        out[pod] = (len(masks), weighted, union)
+    return out
+
+
+def _mask_weight(mask: int, weights: list[float]) -> float:
+    best = None
+    b = 0
+    while mask:
+        if mask & 1:
+            w = weights[b] if b < len(weights) else 0.0
+            best = w if best is None or w > best else best
+        mask >>= 1
+        b += 1
+    return best or 0.0
+
+

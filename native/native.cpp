@@ -1,0 +1,1260 @@
+// kvindex._native: the compiled core of kvindex.
+//
+// Two parts:
+//  * xxh3_chain request keys (the block recurrence of kvindex/keys.py, bit-identical;
+//    the scope root and per-block extras stay in Python and arrive as inputs);
+//  * IndexCore: the data of the two-level KV block index (see kvindex/native.py, the
+//    Python class around it, for the event semantics; they mirror kvindex/index.py).
+//
+// Layout (IndexCore):
+//  * blocks: a vector of Block records (request key, intrusive LRU links as indices,
+//    holders sized to the holders); freed records are reused through a free list;
+//  * level 1: open-addressing map request key -> block index (uint32);
+//  * level 2: open-addressing map engine key -> (request key, number of holders);
+//  * streams: per (pod slot, DP rank), open-addressing map engine key -> request key,
+//    so that clearing a pod costs O(that pod's keys);
+//  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
+//
+// Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
+// readers (prefix match, lookup, best DP rank) hold it shared, so several readers run
+// at once.  The recency refresh of a prefix match takes the exclusive lock briefly
+// after the walk.  Every call releases the GIL while it holds the index lock.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace nb = nanobind;
+
+namespace {
+
+using u64 = uint64_t;
+using u32 = uint32_t;
+constexpr u32 NIL = 0xFFFFFFFFu;
+
+inline u64 fmix64(u64 x) {
+    x ^= x >> 33;
+    x *= 0xFF51AFD7ED558CCDULL;
+    x ^= x >> 33;
+    x *= 0xC4CEB9FE1A85EC53ULL;
+    x ^= x >> 33;
+    return x;
+}
+
+// ---------------------------------------------------------------- open addressing
+
+// uint64 -> V, linear probing, backward-shift deletion (no tombstones), load <= 3/4.
+template <class V>
+class U64Map {
+  public:
+    size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+
+    V* find(u64 k) {
+        if (size_ == 0) return nullptr;
+        size_t i = slot(k);
+        while (used_[i]) {
+            if (keys_[i] == k) return &vals_[i];
+            i = (i + 1) & mask_;
+        }
+        return nullptr;
+    }
+    const V* find(u64 k) const { return const_cast<U64Map*>(this)->find(k); }
+
+    // Returns (value, inserted).  A new value is value-initialised.
+    std::pair<V*, bool> emplace(u64 k) {
+        if ((size_ + 1) * 4 > cap() * 3) grow();
+        size_t i = slot(k);
+        while (used_[i]) {
+            if (keys_[i] == k) return {&vals_[i], false};
+            i = (i + 1) & mask_;
+        }
+        used_[i] = 1;
+        keys_[i] = k;
+        vals_[i] = V();
+        ++size_;
+        return {&vals_[i], true};
+    }
+
+    bool erase(u64 k) {
+        if (size_ == 0) return false;
+        size_t i = slot(k);
+        while (true) {
+            if (!used_[i]) return false;
+            if (keys_[i] == k) break;
+            i = (i + 1) & mask_;
+        }
+        size_t j = i;
+        while (true) {
+            j = (j + 1) & mask_;
+            if (!used_[j]) break;
+            size_t home = slot(keys_[j]);
+            // move j back to i unless its home lies cyclically in (i, j]
+            bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+            if (!stays) {
+                keys_[i] = keys_[j];
+                vals_[i] = vals_[j];
+                i = j;
+            }
+        }
+        used_[i] = 0;
+        --size_;
+        if (size_ == 0) release();
+        return true;
+    }
+
+    template <class F>
+    void for_each(F&& f) const {
+        for (size_t i = 0; i < used_.size(); ++i)
+            if (used_[i]) f(keys_[i], vals_[i]);
+    }
+
+    size_t bytes() const { return keys_.capacity() * sizeof(u64) + vals_.capacity() * sizeof(V) + used_.capacity(); }
+
+  private:
+    size_t cap() const { return used_.size(); }
+    size_t slot(u64 k) const { return fmix64(k) & mask_; }
+    void release() {
+        std::vector<u64>().swap(keys_);
+        std::vector<V>().swap(vals_);
+        std::vector<uint8_t>().swap(used_);
+        mask_ = 0;
+    }
+    void grow() {
+        size_t ncap = cap() ? cap() * 2 : 8;
+        std::vector<u64> ok;
+        std::vector<V> ov;
+        std::vector<uint8_t> ou;
+        ok.swap(keys_);
+        ov.swap(vals_);
+        ou.swap(used_);
+        keys_.assign(ncap, 0);
+        vals_.assign(ncap, V());
+        used_.assign(ncap, 0);
+        mask_ = ncap - 1;
+        for (size_t i = 0; i < ou.size(); ++i) {
+            if (!ou[i]) continue;
+            size_t s = slot(ok[i]);
+            while (used_[s]) s = (s + 1) & mask_;
+            used_[s] = 1;
+            keys_[s] = ok[i];
+            vals_[s] = ov[i];
+        }
+    }
+
+    std::vector<u64> keys_;
+    std::vector<V> vals_;
+    std::vector<uint8_t> used_;
+    size_t size_ = 0;
+    size_t mask_ = 0;
+};
+
+// ---------------------------------------------------------------- input helpers
+
+// A read-only view of uint64 values: a C-contiguous uint64 numpy array, or a copy of
+// a Python sequence of ints (each must be in [0, 2**64)).
+struct U64View {
+    const u64* data = nullptr;
+    size_t n = 0;
+    std::vector<u64> owned;
+};
+
+void to_u64(nb::handle obj, U64View& out, const char* what) {
+    using Arr = nb::ndarray<const u64, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+    Arr arr;
+    // lists and tuples (the events' form) go straight to the sequence path
+    if (!PyList_Check(obj.ptr()) && !PyTuple_Check(obj.ptr()) && nb::try_cast(obj, arr, false)) {
+        out.data = arr.data();
+        out.n = arr.shape(0);
+        out.owned.clear();
+        return;
+    }
+    PyObject* seq = PySequence_Fast(obj.ptr(), what);
+    if (!seq) throw nb::python_error();
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    out.owned.resize((size_t)n);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* it = items[i];
+        if (PyBool_Check(it) || !PyLong_Check(it)) {
+            Py_DECREF(seq);
+            throw nb::type_error((std::string(what) + ": integers expected").c_str());
+        }
+        unsigned long long v = PyLong_AsUnsignedLongLong(it);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_DECREF(seq);
+            throw nb::value_error((std::string(what) + ": values must be in [0, 2**64)").c_str());
+        }
+        out.owned[(size_t)i] = (u64)v;
+    }
+    Py_DECREF(seq);
+    out.data = out.owned.data();
+    out.n = out.owned.size();
+}
+
+// uint64 values as native-endian bytes (Python wraps them with numpy.frombuffer: creating a
+// numpy array from C++ through DLPack costs several microseconds, bytes well under one).
+nb::bytes new_u64_array(std::vector<u64>&& v) {
+    return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(u64));
+}
+
+// key_{-1} = state; key_i = A * key_{i-1} + fmix64(sum_t tok[i*bs+t] * K[t] + add_i)
+void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t bs, u64 A, const u64* add,
+                u64* out) {
+    for (size_t i = 0; i < nblocks; ++i) {
+        const u64* b = toks + i * bs;
+        u64 u = 0;
+        for (size_t t = 0; t < bs; ++t) u += b[t] * K[t];
+        if (add) u += add[i];
+        state = A * state + fmix64(u);
+        out[i] = state;
+    }
+}
+
+// ---------------------------------------------------------------- the index
+
+struct Holder {
+    u64 ek;     // the engine key this (pod, rank) stored the block under
+    u64 mask;   // tier bits
+    uint16_t pod;
+    uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
+    int32_t rank;
+};
+
+// The holders of one block: the first one inline (most blocks have one holder), more on the
+// heap in an array sized to the holders.
+class HolderVec {
+  public:
+    HolderVec() {}
+    HolderVec(const HolderVec&) = delete;
+    HolderVec& operator=(const HolderVec&) = delete;
+    HolderVec(HolderVec&& o) noexcept { take(o); }
+    HolderVec& operator=(HolderVec&& o) noexcept {
+        if (this != &o) {
+            release();
+            take(o);
+        }
+        return *this;
+    }
+    ~HolderVec() { release(); }
+
+    size_t size() const { return n_; }
+    bool empty() const { return n_ == 0; }
+    size_t capacity() const { return cap_; }
+    Holder* begin() { return data(); }
+    Holder* end() { return data() + n_; }
+    const Holder* begin() const { return data(); }
+    const Holder* end() const { return data() + n_; }
+    Holder& operator[](size_t i) { return data()[i]; }
+    const Holder& operator[](size_t i) const { return data()[i]; }
+
+    void push_back(const Holder& h) {
+        if (n_ == cap_) {
+            u32 ncap = cap_ + 1;
+            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * ncap));
+            std::memcpy(m, data(), sizeof(Holder) * n_);
+            if (cap_ > 1) ::operator delete(u_.many);
+            u_.many = m;
+            cap_ = ncap;
+        }
+        data()[n_++] = h;
+    }
+
+    // Remove holder i (order not kept beyond the first), shrinking to fit.
+    void erase(size_t i) {
+        Holder* d = data();
+        for (size_t k = i + 1; k < n_; ++k) d[k - 1] = d[k];
+        --n_;
+        if (cap_ > 1 && n_ <= 1) {
+            Holder keep = n_ ? d[0] : Holder{};
+            ::operator delete(u_.many);
+            u_.one = keep;
+            cap_ = 1;
+        } else if (cap_ > 1 && n_ + 1 < cap_) {
+            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * n_));
+            std::memcpy(m, d, sizeof(Holder) * n_);
+            ::operator delete(u_.many);
+            u_.many = m;
+            cap_ = (u32)n_;
+        }
+    }
+
+    void clear() {
+        release();
+        n_ = 0;
+        cap_ = 1;
+    }
+
+  private:
+    Holder* data() { return cap_ == 1 ? &u_.one : u_.many; }
+    const Holder* data() const { return cap_ == 1 ? &u_.one : u_.many; }
+    void release() {
+        if (cap_ > 1) ::operator delete(u_.many);
+    }
+    void take(HolderVec& o) {
+        n_ = o.n_;
+        cap_ = o.cap_;
+        if (cap_ > 1)
+            u_.many = o.u_.many;
+        else
+            u_.one = o.u_.one;
+        o.n_ = 0;
+        o.cap_ = 1;
+    }
+    u32 n_ = 0, cap_ = 1;
+    union U {
+        Holder one;
+        Holder* many;
+        U() : one() {}
+    } u_;
+};
+
+struct Block {
+    u64 rk = 0;
+    u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
+    HolderVec hs;
+};
+
+struct EngineRef {
+    u64 rk;
+    u64 refs;
+};
+
+// A publisher stream: (pod slot, model id, DP rank).
+inline u64 stream_id(uint16_t pod, uint16_t model, int32_t rank) {
+    return ((u64)pod << 48) | ((u64)model << 32) | (u32)rank;
+}
+inline uint16_t stream_pod(u64 sid) { return (uint16_t)(sid >> 48); }
+inline uint16_t stream_model(u64 sid) { return (uint16_t)(sid >> 32); }
+inline int32_t stream_rank(u64 sid) { return (int32_t)(u32)sid; }
+constexpr int ALL = -1;
+
+class IndexCore {
+  public:
+    IndexCore(u64 capacity, bool compat) : capacity_(capacity), compat_(compat) {
+        if (capacity < 1) throw std::invalid_argument("capacity must be >= 1");
+    }
+
+    // --------------------------------------------------------------- writes
+
+    // Store (pod, rank) holding request keys rks[i] as engine keys eks[i] in tier `bit`.
+    size_t store_keys(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, nb::handle rks_o,
+                      u64 bit) {
+        U64View eks, rks;
+        to_u64(eks_o, eks, "engine_keys");
+        to_u64(rks_o, rks, "request_keys");
+        if (eks.n != rks.n) throw nb::value_error("engine_keys and request_keys differ in length");
+        nb::gil_scoped_release nogil;
+        std::unique_lock lk(mu_);
+        uint16_t ps = pod_slot(pod);
+        u64 sid = stream_id(ps, mid, rank);
+        for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks.data[i], bit);
+        finish_write(ps);
+        return eks.n;
+    }
+
+    // Chain the request keys of `tokens` from `state` (xxh3_chain) and store them; returns the keys.
+    nb::bytes store_chain(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
+                                                          u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
+                                                          u64 bit) {
+        U64View eks, toks, K;
+        to_u64(eks_o, eks, "engine_keys");
+        to_u64(toks_o, toks, "token_ids");
+        to_u64(K_o, K, "K");
+        size_t bs = K.n;
+        if (bs == 0 || toks.n != bs * eks.n) throw nb::value_error("token count is not block_size * blocks");
+        std::vector<u64> rks(eks.n);
+        {
+            nb::gil_scoped_release nogil;
+            chain_into(state, toks.data, eks.n, K.data, bs, A, nullptr, rks.data());
+            std::unique_lock lk(mu_);
+            uint16_t ps = pod_slot(pod);
+            u64 sid = stream_id(ps, mid, rank);
+            for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks[i], bit);
+            finish_write(ps);
+        }
+        return new_u64_array(std::move(rks));
+    }
+
+    // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns the request
+    // keys updated (unknown engine keys are counted and skipped).
+    nb::bytes store_tokenless(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
+                                                              u64 bit) {
+        U64View eks;
+        to_u64(eks_o, eks, "engine_keys");
+        std::vector<u64> done;
+        {
+            nb::gil_scoped_release nogil;
+            std::unique_lock lk(mu_);
+            uint16_t ps = pod_slot(pod);
+            u64 sid = stream_id(ps, mid, rank);
+            streams_[sid];
+            for (size_t i = 0; i < eks.n; ++i) {
+                u64 ek = eks.data[i];
+                std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, mid, ek);
+                if (!rk) {
+                    ++c_unknown_offloads_;
+                    continue;
+                }
+                put(ps, rank, mid, sid, ek, *rk, bit);
+                done.push_back(*rk);
+            }
+            finish_write(ps);
+        }
+        return new_u64_array(std::move(done));
+    }
+
+    // BlockRemoved of publisher (pod, rank, model): per engine key, whether a held tier copy went.
+    std::vector<bool> remove(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, u64 bit) {
+        U64View eks;
+        to_u64(eks_o, eks, "engine_keys");
+        std::vector<bool> hit(eks.n, false);
+        nb::gil_scoped_release nogil;
+        std::unique_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return hit;
+        uint16_t ps = it->second;
+        u64 sid = stream_id(ps, mid, rank);
+        for (size_t i = 0; i < eks.n; ++i) {
+            u64 ek = eks.data[i];
+            U64Map<u64>* st = stream(sid);
+            const u64* rk = st ? st->find(ek) : nullptr;
+            if (rk && drop_copy(ps, rank, ek, *rk, bit)) hit[i] = true;
+        }
+        finish_write(ps);
+        return hit;
+    }
+
+    // Forget what `pod` holds (rank `rank` only when >= 0 ... or any when all_ranks). Returns entries removed.
+    size_t clear(const std::string& pod, std::optional<int32_t> rank, int model) {
+        nb::gil_scoped_release nogil;
+        std::unique_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return 0;
+        uint16_t ps = it->second;
+        std::vector<u64> sids;
+        for (auto& kv : streams_)
+            if (stream_pod(kv.first) == ps && (!rank || stream_rank(kv.first) == *rank) &&
+                (model == ALL || stream_model(kv.first) == (uint16_t)model))
+                sids.push_back(kv.first);
+        size_t n = 0;
+        for (u64 sid : sids) {
+            U64Map<u64> emap = std::move(streams_[sid]);
+            streams_.erase(sid);
+            int32_t r = stream_rank(sid);
+            uint16_t sm = stream_model(sid);
+            emap.for_each([&](u64 ek, u64 rk) {
+                unref_engine(ek, sm);
+                u32* bi = rk_map_.find(rk);
+                if (!bi) return;
+                Block& b = blocks_[*bi];
+                size_t h = find_holder(b, ps, r);
+                if (h == NIL) return;
+                ++n;
+                erase_holder(*bi, h);
+            });
+        }
+        finish_write(ps);
+        return n;
+    }
+
+    // Makes `rk` the most recently used key (if held).
+    void touch(nb::handle keys_o) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        nb::gil_scoped_release nogil;
+        std::unique_lock lk(mu_);
+        touch_locked(keys.data, keys.n);
+    }
+
+    // --------------------------------------------------------------- reads
+
+    // Longest consecutive prefix per candidate pod, as tier masks (OR over ranks) per block.
+    // pods: list of names, or None = every pod holding blocks.  Refreshes recency of the
+    // longest match.  Returns {pod: masks as uint64 bytes} for pods matching >= 1 block.
+    nb::dict prefix_match(nb::handle keys_o, nb::handle pods_o, bool touch) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<std::vector<u64>> masks;
+        std::vector<std::string> matched_names;
+        {
+            nb::gil_scoped_release nogil;
+            size_t longest = 0;
+            {
+                std::shared_lock lk(mu_);
+                std::vector<int> cand_slot;
+                std::vector<std::string> cnames;
+                slots_of(names, cand_slot, cnames);
+                masks.assign(cand_slot.size(), {});
+                walk(keys.data, keys.n, cand_slot, [&](size_t c, size_t, u64 m) { masks[c].push_back(m); });
+                std::vector<std::vector<u64>> kept;
+                for (size_t c = 0; c < masks.size(); ++c) {
+                    if (masks[c].empty()) continue;
+                    longest = std::max(longest, masks[c].size());
+                    matched_names.push_back(cnames[c]);
+                    kept.push_back(std::move(masks[c]));
+                }
+                masks.swap(kept);
+            }
+            if (touch && longest) {
+                std::unique_lock lk(mu_);
+                touch_locked(keys.data, longest);
+            }
+        }
+        nb::dict out;
+        for (size_t c = 0; c < masks.size(); ++c) out[nb::str(matched_names[c].c_str())] = new_u64_array(std::move(masks[c]));
+        return out;
+    }
+
+    using Summary = std::vector<std::tuple<std::string, size_t, double, u64>>;
+
+    // Per candidate pod with a match: (pod, matched blocks, sum over the matched blocks of the
+    // block's weight, OR of the masks).  weights[b] is the weight of tier bit b; a block weighs
+    // its best tier.  Refreshes recency like prefix_match.  Also returns the longest match.
+    std::pair<Summary, size_t> prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights,
+                                              bool touch) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        std::vector<std::string> names = candidate_names(pods_o);
+        Summary res;
+        size_t longest;
+        {
+            nb::gil_scoped_release nogil;
+            longest = summary_locked(keys.data, keys.n, names, weights, touch, res);
+        }
+        return {std::move(res), longest};
+    }
+
+    // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call.
+    std::tuple<nb::bytes, Summary, size_t> match_tokens(
+        u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o, std::vector<double> weights,
+        bool touch) {
+        U64View toks, K;
+        to_u64(toks_o, toks, "tokens");
+        to_u64(K_o, K, "K");
+        size_t bs = K.n;
+        if (bs == 0) throw nb::value_error("empty K");
+        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<u64> keys(toks.n / bs);
+        Summary res;
+        size_t longest;
+        {
+            nb::gil_scoped_release nogil;
+            chain_into(state, toks.data, keys.size(), K.data, bs, A, nullptr, keys.data());
+            longest = summary_locked(keys.data(), keys.size(), names, weights, touch, res);
+        }
+        return {new_u64_array(std::move(keys)), std::move(res), longest};
+    }
+
+    // Per candidate pod: tier mask (OR over ranks) of every key, 0 where it holds none.
+    nb::dict pod_masks(nb::handle keys_o, std::vector<std::string> names) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        std::vector<std::vector<u64>> rows(names.size(), std::vector<u64>(keys.n, 0));
+        {
+            nb::gil_scoped_release nogil;
+            std::shared_lock lk(mu_);
+            for (size_t c = 0; c < names.size(); ++c) {
+                auto it = pod_by_name_.find(names[c]);
+                if (it == pod_by_name_.end()) continue;
+                for (size_t i = 0; i < keys.n; ++i) {
+                    const u32* bi = rk_map_.find(keys.data[i]);
+                    if (!bi) continue;
+                    u64 m = 0;
+                    for (const Holder& h : blocks_[*bi].hs)
+                        if (h.pod == it->second) m |= h.mask;
+                    rows[c][i] = m;
+                }
+            }
+        }
+        nb::dict out;
+        for (size_t c = 0; c < names.size(); ++c) out[nb::str(names[c].c_str())] = new_u64_array(std::move(rows[c]));
+        return out;
+    }
+
+    // Every holder of each key: per key a list of (pod, tier mask, rank).
+    std::vector<std::vector<std::tuple<std::string, u64, int32_t>>> lookup(nb::handle keys_o) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        std::vector<std::vector<std::tuple<std::string, u64, int32_t>>> out(keys.n);
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        for (size_t i = 0; i < keys.n; ++i) {
+            const u32* bi = rk_map_.find(keys.data[i]);
+            if (!bi) continue;
+            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], h.mask, h.rank);
+        }
+        return out;
+    }
+
+    // DP rank of `pod` holding the longest consecutive prefix (ties: lower rank).
+    std::optional<int32_t> best_dp_rank(const std::string& pod, nb::handle keys_o) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end() || keys.n == 0) return std::nullopt;
+        uint16_t ps = it->second;
+        std::vector<int32_t> alive, next;
+        bool first = true;
+        std::optional<int32_t> best;
+        for (size_t i = 0; i < keys.n; ++i) {
+            const u32* bi = rk_map_.find(keys.data[i]);
+            next.clear();
+            if (bi)
+                for (const Holder& h : blocks_[*bi].hs)
+                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), h.rank) != alive.end()))
+                        next.push_back(h.rank);
+            first = false;
+            alive.swap(next);
+            if (alive.empty()) break;
+            best = *std::min_element(alive.begin(), alive.end());
+        }
+        return best;
+    }
+
+    // The request key stream (pod, rank, model) maps `ek` to, else the model's level 2; None if unknown.
+    std::optional<u64> resolve(const std::string& pod, int32_t rank, uint16_t mid, u64 ek) {
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it != pod_by_name_.end()) return resolve_locked(it->second, rank, mid, ek);
+        const EngineRef* v = engine_find(mid, ek);
+        return v ? std::optional<u64>(v->rk) : std::nullopt;
+    }
+
+    // Level 2 under model `model` (ALL: the first model, in first-use order, knowing it).
+    std::optional<u64> request_key_of(u64 ek, int model) {
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        if (compat_) {
+            for (auto& kv : streams_)
+                if ((model == ALL || stream_model(kv.first) == (uint16_t)model) && kv.second.find(ek)) return ek;
+            return std::nullopt;
+        }
+        for (auto& e : engines_)
+            if (model == ALL || e.first == (uint16_t)model)
+                if (const EngineRef* v = e.second.find(ek)) return v->rk;
+        return std::nullopt;
+    }
+
+    std::vector<std::string> pods() {
+        std::shared_lock lk(mu_);
+        std::vector<std::string> out;
+        for (size_t s = 0; s < pod_names_.size(); ++s)
+            if (pod_blocks_[s]) out.push_back(pod_names_[s]);
+        return out;
+    }
+
+    bool holds_pod(const std::string& pod) {
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        return it != pod_by_name_.end() && pod_blocks_[it->second] > 0;
+    }
+
+    // Does `pod` (any rank) hold request key `rk`?
+    bool pod_holds(const std::string& pod, u64 rk) {
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return false;
+        const u32* bi = rk_map_.find(rk);
+        if (!bi) return false;
+        for (const Holder& h : blocks_[*bi].hs)
+            if (h.pod == it->second) return true;
+        return false;
+    }
+
+    // The subset of `keys` that `pod` holds (any rank): a bool per key.
+    std::vector<bool> pod_holds_many(const std::string& pod, nb::handle keys_o) {
+        U64View keys;
+        to_u64(keys_o, keys, "request_keys");
+        std::vector<bool> out(keys.n, false);
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return out;
+        for (size_t i = 0; i < keys.n; ++i) {
+            const u32* bi = rk_map_.find(keys.data[i]);
+            if (!bi) continue;
+            for (const Holder& h : blocks_[*bi].hs)
+                if (h.pod == it->second) {
+                    out[i] = true;
+                    break;
+                }
+        }
+        return out;
+    }
+
+    bool contains(u64 rk) {
+        std::shared_lock lk(mu_);
+        return rk_map_.find(rk) != nullptr;
+    }
+
+    std::vector<u64> pod_keys(const std::string& pod, std::optional<int32_t> rank) {
+        std::vector<u64> out;
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it == pod_by_name_.end()) return out;
+        for (auto& kv : streams_)
+            if (stream_pod(kv.first) == it->second && (!rank || stream_rank(kv.first) == *rank))
+                kv.second.for_each([&](u64, u64 rk) { out.push_back(rk); });
+        return out;
+    }
+
+    size_t len() {
+        std::shared_lock lk(mu_);
+        return rk_map_.size();
+    }
+
+    nb::dict stats() {
+        size_t entries = 0, pods = 0;
+        std::vector<bool> live;
+        u64 keys, engine_keys, ev, st, rm, ur, uo;
+        {
+            std::shared_lock lk(mu_);
+            live.assign(pod_names_.size(), false);
+            for (auto& kv : streams_) {
+                entries += kv.second.size();
+                if (!kv.second.empty()) live[stream_pod(kv.first)] = true;
+            }
+            for (bool b : live) pods += b;
+            keys = rk_map_.size();
+            engine_keys = entries;
+            if (!compat_) {
+                engine_keys = 0;
+                for (auto& e : engines_) engine_keys += e.second.size();
+            }
+            ev = c_evictions_;
+            st = c_stored_blocks_;
+            rm = c_removed_blocks_;
+            ur = c_unknown_removals_;
+            uo = c_unknown_offloads_;
+        }
+        nb::dict d;
+        d["keys"] = keys;
+        d["entries"] = entries;
+        d["engine_keys"] = engine_keys;
+        d["pods"] = pods;
+        d["evictions"] = ev;
+        d["stored_blocks"] = st;
+        d["removed_blocks"] = rm;
+        d["unknown_removals"] = ur;
+        d["unknown_offloads"] = uo;
+        return d;
+    }
+
+    // Bytes the index's own structures hold (capacity, not size; without allocator overhead).
+    size_t memory_bytes() {
+        std::shared_lock lk(mu_);
+        size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes();
+        for (auto& e : engines_) b += e.second.bytes();
+        for (const Block& blk : blocks_)
+            if (blk.hs.capacity() > 1) b += blk.hs.capacity() * sizeof(Holder);
+        for (auto& kv : streams_) b += kv.second.bytes() + 32;
+        return b;
+    }
+
+    // Internal consistency (for tests): raises AssertionError-like RuntimeError when broken.
+    void check() {
+        std::shared_lock lk(mu_);
+        size_t n = 0;
+        u32 prev = NIL;
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
+            if (blocks_[i].prev != prev) throw std::runtime_error("LRU links broken");
+            const u32* bi = rk_map_.find(blocks_[i].rk);
+            if (!bi || *bi != i) throw std::runtime_error("level 1 does not map a listed block");
+            if (blocks_[i].hs.empty()) throw std::runtime_error("a block without holders");
+            prev = i;
+            ++n;
+        }
+        if (prev != lru_tail_) throw std::runtime_error("LRU tail wrong");
+        if (n != rk_map_.size()) throw std::runtime_error("LRU length != level 1 size");
+        std::vector<u64> counted(pod_names_.size(), 0);
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
+            std::vector<uint16_t> seen;
+            for (const Holder& h : blocks_[i].hs)
+                if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) seen.push_back(h.pod);
+            for (uint16_t p : seen) ++counted[p];
+        }
+        for (size_t s = 0; s < counted.size(); ++s)
+            if (counted[s] != pod_blocks_[s]) throw std::runtime_error("pod block count wrong");
+    }
+
+  private:
+    // ----------------------------------------------------------- helpers
+
+    size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
+                          const std::vector<double>& weights, bool touch, Summary& res) {
+        size_t longest = 0;
+        {
+            std::shared_lock lk(mu_);
+            std::vector<int> cand_slot;
+            std::vector<std::string> cnames;
+            slots_of(names, cand_slot, cnames);
+            std::vector<size_t> cnt(cand_slot.size(), 0);
+            std::vector<u64> uni(cand_slot.size(), 0);
+            // per candidate: (mask, blocks) in first-seen order; weighted = sum of weight(mask) * blocks
+            // in that order, the same float operations as scorer.prefix.prefix_scores_from_matches
+            std::vector<std::vector<std::pair<u64, size_t>>> runs(cand_slot.size());
+            walk(keys, n, cand_slot, [&](size_t c, size_t, u64 m) {
+                ++cnt[c];
+                uni[c] |= m;
+                auto& r = runs[c];
+                if (!r.empty() && r.back().first == m) {
+                    ++r.back().second;
+                    return;
+                }
+                for (auto& e : r)
+                    if (e.first == m) {
+                        ++e.second;
+                        return;
+                    }
+                r.emplace_back(m, 1);
+            });
+            for (size_t c = 0; c < cand_slot.size(); ++c) {
+                if (!cnt[c]) continue;
+                longest = std::max(longest, cnt[c]);
+                double w = 0.0;
+                for (auto& e : runs[c]) w += mask_weight(e.first, weights) * (double)e.second;
+                res.emplace_back(cnames[c], cnt[c], w, uni[c]);
+            }
+        }
+        if (touch && longest) {
+            std::unique_lock lk(mu_);
+            touch_locked(keys, longest);
+        }
+        return longest;
+    }
+
+    std::vector<std::string> candidate_names(nb::handle pods_o) {
+        std::vector<std::string> names;
+        if (pods_o.is_none()) {
+            std::shared_lock lk(mu_);
+            for (size_t s = 0; s < pod_names_.size(); ++s)
+                if (pod_blocks_[s]) names.push_back(pod_names_[s]);
+            return names;
+        }
+        for (nb::handle h : pods_o) names.push_back(nb::cast<std::string>(h));
+        return names;
+    }
+
+    // Candidate names -> slots (unknown or empty pods are dropped; duplicates once).
+    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept) {
+        for (const std::string& nm : names) {
+            auto it = pod_by_name_.find(nm);
+            if (it == pod_by_name_.end() || !pod_blocks_[it->second]) continue;
+            if (std::find(slots.begin(), slots.end(), (int)it->second) != slots.end()) continue;
+            slots.push_back(it->second);
+            kept.push_back(nm);
+        }
+    }
+
+    // Walk keys for the candidate slots; emit(c, pos, mask) for every block candidate c
+    // still matches; stops when no candidate matches.
+    template <class Emit>
+    void walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit) {
+        size_t nc = cand_slot.size();
+        if (nc == 0) return;
+        std::vector<int> of_slot(pod_names_.size(), -1);
+        for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
+        std::vector<u64> cur(nc, 0);
+        std::vector<uint8_t> alive(nc, 1);
+        size_t nalive = nc;
+        for (size_t i = 0; i < n && nalive; ++i) {
+            const u32* bi = rk_map_.find(keys[i]);
+            if (!bi) break;
+            for (const Holder& h : blocks_[*bi].hs) {
+                int c = of_slot[h.pod];
+                if (c >= 0) cur[(size_t)c] |= h.mask;
+            }
+            for (size_t c = 0; c < nc; ++c) {
+                if (!alive[c]) continue;
+                if (cur[c]) {
+                    emit(c, i, cur[c]);
+                    cur[c] = 0;
+                } else {
+                    alive[c] = 0;
+                    --nalive;
+                }
+            }
+            // holders of dead candidates may have set bits: clear them
+            for (size_t c = 0; c < nc; ++c)
+                if (!alive[c]) cur[c] = 0;
+        }
+    }
+
+    static double mask_weight(u64 m, const std::vector<double>& w) {
+        double best = 0.0;
+        bool any = false;
+        for (size_t b = 0; m; ++b, m >>= 1)
+            if (m & 1) {
+                double x = b < w.size() ? w[b] : 0.0;
+                if (!any || x > best) best = x;
+                any = true;
+            }
+        return best;
+    }
+
+    uint16_t pod_slot(const std::string& pod) {
+        auto it = pod_by_name_.find(pod);
+        if (it != pod_by_name_.end()) return it->second;
+        uint16_t s;
+        if (!free_pods_.empty()) {
+            s = free_pods_.back();
+            free_pods_.pop_back();
+            pod_names_[s] = pod;
+            pod_blocks_[s] = 0;
+        } else {
+            if (pod_names_.size() >= 0xFFFF) throw std::length_error("more than 65535 pods hold blocks");
+            s = (uint16_t)pod_names_.size();
+            pod_names_.push_back(pod);
+            pod_blocks_.push_back(0);
+        }
+        pod_by_name_.emplace(pod, s);
+        return s;
+    }
+
+    // A pod that holds nothing gives its slot back (its empty streams go).
+    void maybe_release(uint16_t ps) {
+        if (pod_blocks_[ps] || pod_names_[ps].empty()) return;
+        std::vector<u64> sids;
+        for (auto& kv : streams_)
+            if (stream_pod(kv.first) == ps) {
+                if (!kv.second.empty()) return;
+                sids.push_back(kv.first);
+            }
+        for (u64 sid : sids) streams_.erase(sid);
+        pod_by_name_.erase(pod_names_[ps]);
+        pod_names_[ps].clear();
+        free_pods_.push_back(ps);
+    }
+
+    U64Map<u64>* stream(u64 sid) {
+        auto it = streams_.find(sid);
+        return it == streams_.end() ? nullptr : &it->second;
+    }
+
+    std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
+        if (U64Map<u64>* st = stream(stream_id(ps, mid, rank)))
+            if (const u64* rk = st->find(ek)) return *rk;
+        const EngineRef* v = engine_find(mid, ek);
+        return v ? std::optional<u64>(v->rk) : std::nullopt;
+    }
+
+    U64Map<EngineRef>* engine_map(uint16_t mid) {
+        for (auto& e : engines_)
+            if (e.first == mid) return &e.second;
+        return nullptr;
+    }
+
+    const EngineRef* engine_find(uint16_t mid, u64 ek) {
+        U64Map<EngineRef>* m = engine_map(mid);
+        return m ? m->find(ek) : nullptr;
+    }
+
+    static size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
+        for (size_t i = 0; i < b.hs.size(); ++i)
+            if (b.hs[i].pod == ps && b.hs[i].rank == rank) return i;
+        return NIL;
+    }
+
+    static bool has_pod(const Block& b, uint16_t ps) {
+        for (const Holder& h : b.hs)
+            if (h.pod == ps) return true;
+        return false;
+    }
+
+    void lru_unlink(u32 i) {
+        Block& b = blocks_[i];
+        if (b.prev != NIL) blocks_[b.prev].next = b.next; else lru_head_ = b.next;
+        if (b.next != NIL) blocks_[b.next].prev = b.prev; else lru_tail_ = b.prev;
+        b.prev = b.next = NIL;
+    }
+
+    void lru_push(u32 i) {
+        Block& b = blocks_[i];
+        b.prev = lru_tail_;
+        b.next = NIL;
+        if (lru_tail_ != NIL) blocks_[lru_tail_].next = i; else lru_head_ = i;
+        lru_tail_ = i;
+    }
+
+    void touch_locked(const u64* keys, size_t n) {
+        for (size_t k = 0; k < n; ++k) {
+            const u32* bi = rk_map_.find(keys[k]);
+            if (!bi || *bi == lru_tail_) continue;
+            u32 i = *bi;
+            lru_unlink(i);
+            lru_push(i);
+        }
+    }
+
+    u32 new_block(u64 rk) {
+        u32 i;
+        if (!free_.empty()) {
+            i = free_.back();
+            free_.pop_back();
+        } else {
+            if (blocks_.size() >= NIL - 1) throw std::length_error("index full");
+            i = (u32)blocks_.size();
+            blocks_.emplace_back();
+        }
+        blocks_[i].rk = rk;
+        *rk_map_.emplace(rk).first = i;
+        lru_push(i);
+        return i;
+    }
+
+    void free_block(u32 i) {
+        Block& b = blocks_[i];
+        lru_unlink(i);
+        rk_map_.erase(b.rk);
+        b.hs.clear();
+        free_.push_back(i);
+    }
+
+    // Remove holder h of block bi; drops the block when no holder is left.
+    void erase_holder(u32 bi, size_t h) {
+        Block& b = blocks_[bi];
+        uint16_t ps = b.hs[h].pod;
+        b.hs.erase(h);
+        if (!has_pod(b, ps)) --pod_blocks_[ps];
+        if (b.hs.empty()) free_block(bi);
+    }
+
+    void unref_engine(u64 ek, uint16_t mid) {
+        if (compat_) return;
+        for (size_t i = 0; i < engines_.size(); ++i) {
+            if (engines_[i].first != mid) continue;
+            EngineRef* v = engines_[i].second.find(ek);
+            if (v && --v->refs == 0) {
+                engines_[i].second.erase(ek);
+                if (engines_[i].second.empty()) engines_.erase(engines_.begin() + (long)i);
+            }
+            return;
+        }
+    }
+
+    void link(uint16_t mid, U64Map<u64>& st, u64 ek, u64 rk) {
+        auto [v, inserted] = st.emplace(ek);
+        if (inserted || *v != rk) {
+            *v = rk;
+            if (!compat_) {
+                U64Map<EngineRef>* em = engine_map(mid);
+                if (!em) {
+                    engines_.emplace_back(mid, U64Map<EngineRef>());
+                    em = &engines_.back().second;
+                }
+                auto [e, ins] = em->emplace(ek);
+                if (ins) {
+                    e->rk = rk;
+                    e->refs = 1;
+                } else {
+                    e->rk = rk;
+                    e->refs += 1;
+                }
+            }
+        }
+        ++c_stored_blocks_;
+    }
+
+    // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
+    void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
+        U64Map<u64>* stp = stream(sid);
+        if (stp) {
+            const u64* old = stp->find(ek);
+            if (old && *old != rk) {
+                u64 old_rk = *old;
+                drop_copy(ps, rank, ek, old_rk, ~0ULL);
+            }
+        }
+        U64Map<u64>& st = streams_[sid];
+        u32* bip = rk_map_.find(rk);
+        u32 bi;
+        if (!bip) {
+            bi = new_block(rk);
+            if (rk_map_.size() > capacity_) evict_one();
+        } else {
+            bi = *bip;
+            if (bi != lru_tail_) {
+                lru_unlink(bi);
+                lru_push(bi);
+            }
+        }
+        Block& b = blocks_[bi];
+        size_t h = find_holder(b, ps, rank);
+        if (h == NIL) {
+            if (!has_pod(b, ps)) ++pod_blocks_[ps];
+            b.hs.push_back(Holder{ek, bit, ps, mid, rank});
+        } else {
+            Holder& hd = b.hs[h];
+            hd.mask |= bit;
+            if (hd.ek != ek) {
+                const u64* cur = st.find(hd.ek);
+                if (cur && *cur == rk) {
+                    st.erase(hd.ek);
+                    unref_engine(hd.ek, mid);
+                }
+                hd.ek = ek;
+            }
+        }
+        link(mid, st, ek, rk);
+    }
+
+    // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
+    bool drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
+        u32* bip = rk_map_.find(rk);
+        if (!bip) return false;
+        u32 bi = *bip;
+        Block& b = blocks_[bi];
+        size_t h = find_holder(b, ps, rank);
+        if (h == NIL || !(b.hs[h].mask & bit)) return false;
+        b.hs[h].mask &= ~bit;
+        if (b.hs[h].mask == 0) {
+            uint16_t hm = b.hs[h].model;
+            U64Map<u64>* st = stream(stream_id(ps, hm, rank));
+            if (st) {
+                const u64* cur = st->find(ek);
+                if (cur && *cur == rk) {
+                    st->erase(ek);
+                    unref_engine(ek, hm);
+                }
+            }
+            erase_holder(bi, h);
+        }
+        return true;
+    }
+
+    void evict_one() {
+        u32 bi = lru_head_;
+        Block& b = blocks_[bi];
+        u64 rk = b.rk;
+        std::vector<uint16_t> seen;
+        for (const Holder& h : b.hs) {
+            if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) {
+                seen.push_back(h.pod);
+                --pod_blocks_[h.pod];
+            }
+            if (U64Map<u64>* st = stream(stream_id(h.pod, h.model, h.rank))) {
+                const u64* cur = st->find(h.ek);
+                if (cur && *cur == rk) {
+                    st->erase(h.ek);
+                    unref_engine(h.ek, h.model);
+                }
+            }
+        }
+        free_block(bi);
+        ++c_evictions_;
+        // a pod left with nothing gives its slot back at the end of the write call
+        for (uint16_t p : seen)
+            if (!pod_blocks_[p]) pending_release_.push_back(p);
+    }
+
+    // End of a write call: release the slots of pods left holding nothing.
+    void finish_write(uint16_t ps) {
+        maybe_release(ps);
+        std::vector<uint16_t> pend;
+        pend.swap(pending_release_);
+        for (uint16_t p : pend)
+            if (!pod_names_[p].empty()) maybe_release(p);
+    }
+
+    std::shared_mutex mu_;
+    u64 capacity_;
+    bool compat_;
+    std::vector<Block> blocks_;
+    std::vector<u32> free_;
+    u32 lru_head_ = NIL, lru_tail_ = NIL;
+    U64Map<u32> rk_map_;
+    std::vector<std::pair<uint16_t, U64Map<EngineRef>>> engines_;  // level 2 per model id, first-use order
+    std::unordered_map<u64, U64Map<u64>> streams_;
+    std::unordered_map<std::string, uint16_t> pod_by_name_;
+    std::vector<std::string> pod_names_;
+    std::vector<u64> pod_blocks_;
+    std::vector<uint16_t> free_pods_;
+    std::vector<uint16_t> pending_release_;
+    u64 c_evictions_ = 0, c_stored_blocks_ = 0, c_removed_blocks_ = 0, c_unknown_removals_ = 0,
+        c_unknown_offloads_ = 0;
+};
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+    m.doc() = "kvindex compiled core: xxh3_chain request keys and the index data (see kvindex.native)";
+    m.attr("ABI_VERSION") = 1;
+
+    m.def(
+        "xxh3_chain",
+        [](u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle add_o) {
+            U64View toks, K, add;
+            to_u64(toks_o, toks, "token_ids");
+            to_u64(K_o, K, "K");
+            size_t bs = K.n;
+            if (bs == 0) throw nb::value_error("empty K");
+            size_t n = toks.n / bs;
+            const u64* addp = nullptr;
+            if (!add_o.is_none()) {
+                to_u64(add_o, add, "add");
+                if (add.n != n) throw nb::value_error("one addend per block expected");
+                addp = add.data;
+            }
+            std::vector<u64> out(n);
+            {
+                nb::gil_scoped_release nogil;
+                chain_into(state, toks.data, n, K.data, bs, A, addp, out.data());
+            }
+            return new_u64_array(std::move(out));
+        },
+        nb::arg("state"), nb::arg("tokens"), nb::arg("K"), nb::arg("A"), nb::arg("add").none() = nb::none(),
+        "Request keys of the full blocks of ``tokens`` chained from ``state`` (kvindex.keys xxh3_chain):\n"
+        "key_i = A * key_{i-1} + fmix64(sum_t tokens[i*bs+t] * K[t] + add[i]), bs = len(K).\n"
+        "Returns the keys as native-endian uint64 bytes (numpy.frombuffer(..., numpy.uint64)).");
+
+    nb::class_<IndexCore>(m, "IndexCore")
+        .def(nb::init<u64, bool>(), nb::arg("capacity"), nb::arg("compat"))
+        .def("store_keys", &IndexCore::store_keys)
+        .def("store_chain", &IndexCore::store_chain)
+        .def("store_tokenless", &IndexCore::store_tokenless)
+        .def("remove", &IndexCore::remove)
+        .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none(), nb::arg("model"))
+        .def("touch", &IndexCore::touch)
+        .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"))
+        .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),
+             nb::arg("weights"), nb::arg("touch"))
+        .def("match_tokens", &IndexCore::match_tokens, nb::arg("state"), nb::arg("tokens"), nb::arg("K"),
+             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"))
+        .def("pod_masks", &IndexCore::pod_masks)
+        .def("lookup", &IndexCore::lookup)
+        .def("best_dp_rank", &IndexCore::best_dp_rank)
+        .def("resolve", &IndexCore::resolve)
+        .def("request_key_of", &IndexCore::request_key_of)
+        .def("pods", &IndexCore::pods)
+        .def("holds_pod", &IndexCore::holds_pod)
+        .def("pod_holds", &IndexCore::pod_holds)
+        .def("pod_holds_many", &IndexCore::pod_holds_many)
+        .def("contains", &IndexCore::contains)
+        .def("pod_keys", &IndexCore::pod_keys, nb::arg("pod"), nb::arg("rank").none())
+        .def("__len__", &IndexCore::len)
+        .def("stats", &IndexCore::stats)
+        .def("memory_bytes", &IndexCore::memory_bytes)
+        .def("check", &IndexCore::check);
+}

@@ -1,0 +1,344 @@
+"""The compiled index (kvindex.native) against the pure-Python reference (kvindex.index).
+
+1. Every case of tests/test_index.py, and the pool's oracle state machines of
+   tests/test_pool_stateful.py, run again with the compiled index.
+2. A hypothesis state machine drives both implementations with the same steps
+   (stores with known, unknown and no parents, token-less stores, removals,
+   clears by pod and by rank, speculative entries and clock steps, router-held
+   entries (add_held / remove_held), a small LRU
+   capacity and orphan bound) and compares every read: prefix match (per pod
+   and for all pods), lookup, best DP rank, level 2, pod keys, pods, models,
+   sizes and counters.
+3. Request keys computed by the compiled chain equal kvindex.keys' bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+import tests.test_index as reference_cases
+import tests.test_pool_stateful as pool_stateful
+from indexer import Config, Indexer
+from kvindex import _native, make_index
+from kvindex.index import KVBlockIndex
+from kvindex.keys import TokenProcessor
+from kvindex.native import NativeKVBlockIndex
+from kvindex.protocol import KVIndex
+from kvindex.tiers import tier_bit
+from tests.oracle import Universe
+
+# -- 1. the reference's own cases, on the compiled index
+
+REFERENCE_CASES = sorted(n for n in dir(reference_cases) if n.startswith("test_"))
+
+
+@pytest.mark.parametrize("name", REFERENCE_CASES)
+def test_reference_case_on_native(name, monkeypatch):
+    monkeypatch.setattr(reference_cases, "KVBlockIndex", NativeKVBlockIndex)
+    getattr(reference_cases, name)()
+
+
+@pytest.mark.parametrize("machine", ["PoolMachine", "SmallCapacityMachine"])
+def test_pool_oracle_machines_on_native(machine, monkeypatch):
+    monkeypatch.setattr(pool_stateful, "KVBlockIndex", NativeKVBlockIndex)
+    run_state_machine_as_test(getattr(pool_stateful, machine), settings=pool_stateful.SETTINGS)
+
+
+def test_both_satisfy_the_protocol_and_config_selects():
+    tp = TokenProcessor(block_size=4)
+    assert isinstance(KVBlockIndex(tp), KVIndex)
+    assert isinstance(NativeKVBlockIndex(tp), KVIndex)
+    assert type(make_index("native", tp)) is NativeKVBlockIndex
+    assert type(make_index("python", tp)) is KVBlockIndex
+    with pytest.raises(ValueError):
+        make_index("rust", tp)
+    with pytest.raises(ValueError):
+        Config.from_dict({"kv_block_index_config": {"backend": "fast"}})
+    for backend, cls in (("native", NativeKVBlockIndex), ("python", KVBlockIndex)):
+        ix = Indexer(Config.from_dict({"kv_block_index_config": {"backend": backend}}))
+        assert type(ix.index) is cls
+
+
+# -- 2. the same steps on both implementations
+
+BS = 4
+PODS = ["a", "b", "c"]
+RANKS = [0, 1]
+TIERS = ["gpu", "cpu", "storage"]
+MODELS = [None, "m"]
+
+
+def make_universe() -> Universe:
+    rnd = random.Random(99)
+    base = [rnd.randrange(1000) for _ in range(3 * BS)]
+    paths = []
+    for p in range(5):
+        shared = base[: (p % 3) * BS]
+        tail = [rnd.randrange(1000) for _ in range(6 * BS - len(shared))]
+        paths.append(tuple(shared + tail))
+    return Universe(BS, paths, TokenProcessor(block_size=BS, hash_seed=11))
+
+
+U = make_universe()
+
+
+class SameSteps(RuleBasedStateMachine):
+    """Reference and compiled index fed the same steps; every read compared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = [100.0]
+        self.ixs: list = []
+
+    @initialize(capacity=st.sampled_from([3, 8, 1_000]), orphans=st.sampled_from([0, 4, 100]))
+    def build(self, capacity, orphans):
+        clock = lambda: self.now[0]  # noqa: E731
+        self.ixs = [
+            KVBlockIndex(U.tp, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
+            NativeKVBlockIndex(U.tp, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
+        ]
+
+    def both(self, name, *args, **kw):
+        results = []
+        for ix in self.ixs:
+            try:
+                results.append(("ok", getattr(ix, name)(*args, **kw)))
+            except (ValueError, TypeError) as exc:
+                results.append(("err", type(exc)))
+        assert results[0] == results[1], (name, args, kw, results)
+        return results[0]
+
+    @rule(
+        pod=st.sampled_from(PODS),
+        rank=st.sampled_from(RANKS),
+        path=st.integers(0, len(U.paths) - 1),
+        span=st.tuples(st.integers(0, 5), st.integers(1, 3)),
+        tier=st.sampled_from(TIERS),
+        model=st.sampled_from(MODELS),
+        parent_kind=st.sampled_from(["own", "own", "unknown", "none"]),
+    )
+    def store(self, pod, rank, path, span, tier, model, parent_kind):
+        i, n = span
+        j = min(i + n, U.n_blocks(path))
+        if i >= j:
+            return
+        eks = [U.ek(path, k) for k in range(i, j)]
+        if i == 0 or parent_kind == "none":
+            parent = None
+        elif parent_kind == "unknown":
+            parent = U.ek(path, i - 1) ^ 0x5A5A  # never stored
+        else:
+            parent = U.ek(path, i - 1)
+        self.both("block_stored", pod, rank, eks, parent, list(U.tokens(path, i, j)), tier, block_size=BS, model=model)
+
+    @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), path=st.integers(0, len(U.paths) - 1),
+          i=st.integers(0, 5), tier=st.sampled_from(TIERS), model=st.sampled_from(MODELS))
+    def offload(self, pod, rank, path, i, tier, model):
+        self.both("block_stored", pod, rank, [U.ek(path, i), U.ek(path, min(i + 1, 5))], None, None, tier,
+                  model=model)
+
+    @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), path=st.integers(0, len(U.paths) - 1),
+          i=st.integers(0, 5), tier=st.sampled_from(TIERS), model=st.sampled_from(MODELS))
+    def remove(self, pod, rank, path, i, tier, model):
+        self.both("block_removed", pod, rank, [U.ek(path, i), 77], tier, model=model)
+
+    @rule(pod=st.sampled_from(PODS + ["d"]), rank=st.none() | st.sampled_from(RANKS),
+          model=st.sampled_from(["all", *MODELS, "other"]))
+    def clear(self, pod, rank, model):
+        if model == "all":
+            self.both("clear", pod, rank)
+        else:
+            self.both("clear", pod, rank, model=model)
+
+    @rule(pod=st.sampled_from(PODS), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
+          ttl=st.sampled_from([1.0, 5.0]))
+    def speculative(self, pod, path, n, ttl):
+        self.both("add_speculative", U.request_keys(path)[:n], pod, ttl)
+
+    @rule(pod=st.sampled_from(PODS + ["d"]), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
+          tier=st.sampled_from(["decode_retained", "gpu"]), add=st.booleans())
+    def held(self, pod, path, n, tier, add):
+        self.both("add_held" if add else "remove_held", pod, U.request_keys(path)[:n], tier)
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
+    def tick(self, dt):
+        self.now[0] += dt
+
+    @rule(path=st.integers(0, len(U.paths) - 1),
+          pods=st.none() | st.lists(st.sampled_from(PODS + ["d", "zz"]), max_size=3),
+          as_array=st.booleans())
+    def match(self, path, pods, as_array):
+        keys = U.request_keys(path)
+        arg = np.array(keys, dtype=np.uint64) if as_array else keys
+        self.both("prefix_match", arg, pods)
+
+    @rule(path=st.integers(0, len(U.paths) - 1), pod=st.sampled_from(PODS))
+    def dp_rank(self, path, pod):
+        self.both("best_dp_rank", pod, U.request_keys(path))
+
+    @invariant()
+    def same_reads(self):
+        if not self.ixs:
+            return
+        for p in range(len(U.paths)):
+            keys = U.request_keys(p)
+            self.both("lookup", keys)
+            for i in range(len(keys)):
+                self.both("request_key_of", U.ek(p, i))
+                for model in (*MODELS, "other"):
+                    self.both("request_key_of", U.ek(p, i), model)
+        for pod in PODS:
+            for rank in (None, *RANKS):
+                self.both("pod_keys", pod, rank)
+        self.both("pods")
+        self.both("models")
+        self.both("stats")
+        self.both("__len__")
+        self.ixs[1].check()
+
+
+TestSameSteps = SameSteps.TestCase
+TestSameSteps.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+def test_pod_slots_are_reused_when_pods_leave():
+    ix = NativeKVBlockIndex(U.tp)
+    for round_ in range(300):
+        pod = f"pod-{round_}"
+        ix.block_stored(pod, 0, [U.ek(0, 0)], None, list(U.tokens(0, 0, 1)), "gpu", block_size=BS)
+        assert ix.pods() == {pod}
+        assert ix.clear(pod) == 1
+    assert ix.pods() == frozenset() and len(ix) == 0
+    ix.check()
+
+
+def test_prefix_summary_equals_scoring_the_masks():
+    ix = NativeKVBlockIndex(U.tp)
+    ref = KVBlockIndex(U.tp)
+    for x in (ix, ref):
+        x.block_stored("a", 0, [U.ek(0, k) for k in range(4)], None, list(U.tokens(0, 0, 4)), "gpu", block_size=BS)
+        x.block_stored("b", 1, [U.ek(0, k) for k in range(2)], None, list(U.tokens(0, 0, 2)), "cpu", block_size=BS)
+        x.block_stored("b", 0, [U.ek(0, 0)], None, None, "storage")
+    weights = [0.0] * 3
+    weights[tier_bit("gpu").bit_length() - 1] = 1.0
+    weights[tier_bit("cpu").bit_length() - 1] = 0.8
+    weights[tier_bit("storage").bit_length() - 1] = 0.5
+    keys = U.request_keys(0)
+    gpu, cpu, storage = tier_bit("gpu"), tier_bit("cpu"), tier_bit("storage")
+    assert ix.prefix_summary(keys, None, weights) == {"a": (4, 4.0, gpu), "b": (2, 0.8 + 0.8, cpu | storage)}
+    assert ix.prefix_match(keys) == ref.prefix_match(keys)
+
+
+# -- 3. compiled request keys
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    toks=st.lists(st.integers(0, 2**64 - 1), max_size=80),
+    bs=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**64 - 1) | st.text(max_size=5),
+    model=st.none() | st.text(max_size=5),
+)
+def test_native_chain_is_bit_identical(toks, bs, seed, model):
+    tp = TokenProcessor(block_size=bs, hash_seed=seed)
+    want = tp.request_keys(toks, model=model)
+    got = _native.xxh3_chain(tp._root(model, None), np.array(toks, dtype=np.uint64), tp._K, tp._A, None)
+    assert np.frombuffer(got, dtype=np.uint64).tolist() == want.tolist()
+    got_list = _native.xxh3_chain(tp._root(model, None), toks, tp._K, tp._A)
+    assert np.frombuffer(got_list, dtype=np.uint64).tolist() == want.tolist()
+
+
+# -- 4. the facade's compiled read path gives the reference's scores
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stores=st.lists(
+        st.tuples(st.sampled_from(PODS), st.sampled_from(RANKS), st.integers(0, len(U.paths) - 1),
+                  st.integers(1, 6), st.sampled_from(TIERS)),
+        max_size=12,
+    ),
+    path=st.integers(0, len(U.paths) - 1),
+    extra_tokens=st.integers(0, 7),
+    pods=st.none() | st.lists(st.sampled_from(PODS + ["zz"]), min_size=1, max_size=4),
+    as_array=st.booleans(),
+)
+def test_indexer_score_same_on_both_backends(stores, path, extra_tokens, pods, as_array):
+    def indexer(backend):
+        return Indexer(Config.from_dict({
+            "token_processor_config": {"block_size": BS, "hash_seed": 11},
+            "kv_block_index_config": {"backend": backend},
+            "scorer_config": {"tier_weights": {"gpu": 1.0, "cpu": 0.7, "storage": 0.3}},
+        }))
+
+    ixs = [indexer("python"), indexer("native")]
+    for ix in ixs:
+        for pod, rank, p, n, tier in stores:
+            eks = [U.ek(p, k) for k in range(n)]
+            ix.index.block_stored(pod, rank, eks, None, list(U.tokens(p, 0, n)), tier, block_size=BS)
+    tokens = list(U.paths[path]) + list(range(extra_tokens))
+    arg = np.array(tokens, dtype=np.int64) if as_array else tokens
+    a, b = (ix.score(arg, pods) for ix in ixs)
+    assert a == b
+    assert ixs[0].index.stats() == ixs[1].index.stats()
+
+
+# -- 5. readers run while writers apply
+
+
+def test_concurrent_readers_and_writers_end_as_the_sequential_reference():
+    """Two writer threads (one per pod, as the pool's shards) and two readers; the end
+    state equals the reference fed the same per-pod event sequences one after the other."""
+    import threading
+
+    ix = NativeKVBlockIndex(U.tp, capacity=10_000)
+    ref = KVBlockIndex(U.tp, capacity=10_000)
+    steps = {
+        pod: [(p, n, k % 3 == 2) for k, (p, n) in enumerate((p, n) for p in range(len(U.paths)) for n in range(1, 7))]
+        for pod in ("a", "b")
+    }
+
+    def apply(index, pod):
+        for p, n, clear in steps[pod]:
+            eks = [U.ek(p, k) for k in range(n)]
+            index.block_stored(pod, 0, eks, None, list(U.tokens(p, 0, n)), "gpu", block_size=BS)
+            if clear:
+                index.block_removed(pod, 0, eks[-1:], "gpu")
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read():
+        try:
+            while not stop.is_set():
+                for p in range(len(U.paths)):
+                    for pod, masks in ix.prefix_match(U.request_keys(p)).items():
+                        assert pod in ("a", "b") and all(masks)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    writers = [threading.Thread(target=apply, args=(ix, pod)) for pod in ("a", "b")]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors
+    for pod in ("a", "b"):
+        apply(ref, pod)
+    for p in range(len(U.paths)):
+        assert ix.prefix_match(U.request_keys(p)) == ref.prefix_match(U.request_keys(p))
+        assert ix.lookup(U.request_keys(p)) == ref.lookup(U.request_keys(p))
+    assert ix.stats() == ref.stats()
+    ix.check()
