@@ -146,7 +146,160 @@ class _AllModels:
 ALL_MODELS = _AllModels()
 
 
-class KVBlockIndex:
+class SideTables:
+    """The parts of the index both implementations keep in Python, shared by both.
+
+    Orphans (stores waiting for an unknown parent), speculative entries
+    (router-marked blocks with an expiry) and router-held entries by request
+    key (e.g. the connector's decode-retained tier) are rare next to the
+    blocks engines report, so :class:`KVBlockIndex` and
+    :class:`kvindex.native.NativeKVBlockIndex` keep them in the same Python
+    tables.  A subclass calls :meth:`_init_side_tables` in its constructor and
+    provides ``_lock`` (an RLock), ``max_orphan_blocks`` and the counter dict
+    ``_c`` (keys ``orphans``, ``orphans_dropped``, ``speculative_expired``).
+    """
+
+    _lock: threading.RLock
+    _c: dict[str, int]
+    max_orphan_blocks: int
+
+    def _init_side_tables(self) -> None:
+        # orphans: (model, unknown parent engine key) -> waiting stores; keyed by
+        # model because engines do not hash the model, so only a parent stored
+        # under the same model may release a waiting store
+        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
+        self._orphan_blocks = 0
+        # (pod, rank, model, engine key) -> the waiting stores holding that block
+        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
+        # speculative: request key -> pod -> expiry; expiry order; pod -> keys
+        self._spec: dict[int, dict[str, float]] = {}
+        self._spec_order: SortedList = SortedList()
+        self._spec_by_pod: dict[str, set[int]] = {}
+        # held by request key (no engine key; e.g. decode-retained):
+        # pod -> request key -> tier bit -> reference count; pod -> request key -> mask
+        self._held: dict[str, dict[int, dict[int, int]]] = {}
+        self._held_mask: dict[str, dict[int, int]] = {}
+
+    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
+        """Count ``pod`` as holding ``request_keys`` in ``tier``, by request key, until removed.
+
+        For KV the router knows about without engine events, e.g. the blocks a
+        decode pod retains for a conversation's next turn (tier
+        ``decode_retained``, kept by :class:`connector.retained.RetainedStore`).
+        Reference-counted per (pod, request key, tier): each add needs one
+        :meth:`remove_held`.  No expiry and no LRU eviction of their own (the
+        caller owns their lifetime); :meth:`clear` of the whole pod drops them.
+        The read path ORs the tier into the pod's mask of each key.
+        """
+        bit = tier_bit(tier)
+        with self._lock:
+            held = self._held.setdefault(pod, {})
+            masks = self._held_mask.setdefault(pod, {})
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.setdefault(rk, {})
+                counts[bit] = counts.get(bit, 0) + 1
+                masks[rk] = masks.get(rk, 0) | bit
+
+    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
+        """Undo one :meth:`add_held` of ``request_keys``; returns the entries that ended.
+
+        Keys not held (or already released) are skipped.
+        """
+        bit = tier_bit(tier)
+        ended = 0
+        with self._lock:
+            held = self._held.get(pod)
+            if held is None:
+                return 0
+            masks = self._held_mask[pod]
+            for rk in request_keys:
+                rk = int(rk)
+                counts = held.get(rk)
+                c = counts.get(bit) if counts is not None else None
+                if c is None:
+                    continue
+                if c > 1:
+                    counts[bit] = c - 1
+                    continue
+                del counts[bit]
+                ended += 1
+                if counts:
+                    masks[rk] &= ~bit
+                else:
+                    del held[rk]
+                    del masks[rk]
+            if not held:
+                del self._held[pod]
+                del self._held_mask[pod]
+        return ended
+
+    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
+        n = len(item.engine_keys)
+        self._orphans.setdefault((item.model, parent_ek), []).append(item)
+        self._orphan_blocks += n
+        for ek in item.engine_keys:
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is None:
+                self._orphan_by_ek[key] = [item]
+            else:
+                lst.append(item)  # the same block stored again while waiting (two physical copies)
+        self._c["orphans"] += n
+        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
+            _k, group = self._orphans.popitem(last=False)
+            for g in group:
+                self._forget_orphan(g)
+                self._c["orphans_dropped"] += len(g.engine_keys)
+
+    def _forget_orphan(self, item: _Orphan) -> None:
+        """Account for an orphan leaving the table (attached or dropped)."""
+        self._orphan_blocks -= len(item.engine_keys)
+        for ek in item.engine_keys:
+            key = (item.pod, item.dp_rank, item.model, ek)
+            lst = self._orphan_by_ek.get(key)
+            if lst is not None:
+                lst[:] = [w for w in lst if w is not item]
+                if not lst:
+                    del self._orphan_by_ek[key]
+
+    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model: str | None | _AllModels = ALL_MODELS) -> None:
+        every = model is ALL_MODELS
+        for pk in list(self._orphans):
+            group = self._orphans[pk]
+            keep = [
+                g for g in group
+                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
+            ]
+            if len(keep) != len(group):
+                kept = {id(g) for g in keep}
+                for g in group:
+                    if id(g) not in kept:
+                        self._forget_orphan(g)
+                        self._c["orphans_dropped"] += len(g.engine_keys)
+                if keep:
+                    self._orphans[pk] = keep
+                else:
+                    del self._orphans[pk]
+
+    def _expire(self, now: float) -> None:
+        order = self._spec_order
+        while order and order[0][0] <= now:
+            expiry, rk, pod = order.pop(0)
+            holders = self._spec.get(rk)
+            if holders is not None and holders.get(pod) == expiry:
+                del holders[pod]
+                if not holders:
+                    del self._spec[rk]
+                mine = self._spec_by_pod.get(pod)
+                if mine is not None:
+                    mine.discard(rk)
+                    if not mine:
+                        del self._spec_by_pod[pod]
+                self._c["speculative_expired"] += 1
+
+
+class KVBlockIndex(SideTables):
     """In-memory two-level index of which pod holds which KV block.
 
     Args:
@@ -199,23 +352,9 @@ class KVBlockIndex:
         self._engine: dict[str | None, dict[int, list[int]]] = {}
         # reverse: (pod, rank, model) -> engine key -> request key
         self._streams: dict[_Stream, dict[int, int]] = {}
-        # orphans: (model, unknown parent engine key) -> waiting stores
-        # keyed by (model, parent engine key): engines do not hash the model, so only a parent
-        # stored under the same model may release a waiting store
-        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
-        self._orphan_blocks = 0
         self._models: set[str | None] = set()  # models named by stored events (key scopes)
-        # (pod, rank, model, engine key) -> the waiting stores holding that block
-        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
         self._maybe_empty: set[_Stream] = set()  # stream maps that may have emptied
-        # speculative: request key -> pod -> expiry; expiry order
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_order: SortedList = SortedList()
-        self._spec_by_pod: dict[str, set[int]] = {}
-        # held by request key (no engine key; e.g. decode-retained):
-        # pod -> request key -> tier bit -> reference count; pod -> request key -> mask
-        self._held: dict[str, dict[int, dict[int, int]]] = {}
-        self._held_mask: dict[str, dict[int, int]] = {}
+        self._init_side_tables()  # orphans, speculative and held entries
         self._c = dict.fromkeys(
             (
                 "evictions",
@@ -436,60 +575,6 @@ class KVBlockIndex:
                 holders[pod] = expiry
                 mine.add(rk)
                 self._spec_order.add((expiry, rk, pod))
-
-    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
-        """Count ``pod`` as holding ``request_keys`` in ``tier``, by request key, until removed.
-
-        For KV the router knows about without engine events, e.g. the blocks a
-        decode pod retains for a conversation's next turn (tier
-        ``decode_retained``, kept by :class:`connector.retained.RetainedStore`).
-        Reference-counted per (pod, request key, tier): each add needs one
-        :meth:`remove_held`.  No expiry and no LRU eviction of their own (the
-        caller owns their lifetime); :meth:`clear` of the whole pod drops them.
-        The read path ORs the tier into the pod's mask of each key.
-        """
-        bit = tier_bit(tier)
-        with self._lock:
-            held = self._held.setdefault(pod, {})
-            masks = self._held_mask.setdefault(pod, {})
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.setdefault(rk, {})
-                counts[bit] = counts.get(bit, 0) + 1
-                masks[rk] = masks.get(rk, 0) | bit
-
-    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
-        """Undo one :meth:`add_held` of ``request_keys``; returns the entries that ended.
-
-        Keys not held (or already released) are skipped.
-        """
-        bit = tier_bit(tier)
-        ended = 0
-        with self._lock:
-            held = self._held.get(pod)
-            if held is None:
-                return 0
-            masks = self._held_mask[pod]
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.get(rk)
-                c = counts.get(bit) if counts is not None else None
-                if c is None:
-                    continue
-                if c > 1:
-                    counts[bit] = c - 1
-                    continue
-                del counts[bit]
-                ended += 1
-                if counts:
-                    masks[rk] &= ~bit
-                else:
-                    del held[rk]
-                    del masks[rk]
-            if not held:
-                del self._held[pod]
-                del self._held_mask[pod]
-        return ended
 
     # ------------------------------------------------------------------- read
 
@@ -943,66 +1028,3 @@ class KVBlockIndex:
                         self._maybe_empty.add(skey)
         self._c["evictions"] += 1
 
-    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
-        n = len(item.engine_keys)
-        self._orphans.setdefault((item.model, parent_ek), []).append(item)
-        self._orphan_blocks += n
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is None:
-                self._orphan_by_ek[key] = [item]
-            else:
-                lst.append(item)  # the same block stored again while waiting (two physical copies)
-        self._c["orphans"] += n
-        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
-            _k, group = self._orphans.popitem(last=False)
-            for g in group:
-                self._forget_orphan(g)
-                self._c["orphans_dropped"] += len(g.engine_keys)
-
-    def _forget_orphan(self, item: _Orphan) -> None:
-        """Account for an orphan leaving the table (attached or dropped)."""
-        self._orphan_blocks -= len(item.engine_keys)
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is not None:
-                lst[:] = [w for w in lst if w is not item]
-                if not lst:
-                    del self._orphan_by_ek[key]
-
-    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model: str | None | _AllModels = ALL_MODELS) -> None:
-        every = model is ALL_MODELS
-        for pk in list(self._orphans):
-            group = self._orphans[pk]
-            keep = [
-                g for g in group
-                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
-            ]
-            if len(keep) != len(group):
-                kept = {id(g) for g in keep}
-                for g in group:
-                    if id(g) not in kept:
-                        self._forget_orphan(g)
-                        self._c["orphans_dropped"] += len(g.engine_keys)
-                if keep:
-                    self._orphans[pk] = keep
-                else:
-                    del self._orphans[pk]
-
-    def _expire(self, now: float) -> None:
-        order = self._spec_order
-        while order and order[0][0] <= now:
-            expiry, rk, pod = order.pop(0)
-            holders = self._spec.get(rk)
-            if holders is not None and holders.get(pod) == expiry:
-                del holders[pod]
-                if not holders:
-                    del self._spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
-                    if not mine:
-                        del self._spec_by_pod[pod]
-                self._c["speculative_expired"] += 1

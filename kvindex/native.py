@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 import numpy as np
-from sortedcontainers import SortedList
 
 from kvindex import _native
-from kvindex.index import ALL_MODELS, IndexStats, PodEntry, _Orphan
+from kvindex.index import ALL_MODELS, IndexStats, PodEntry, SideTables, _Orphan
 from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
 from kvindex.tiers import GPU, tier_bit, tier_names
 
@@ -61,7 +59,7 @@ def _rank(dp_rank: int) -> int:
     return r
 
 
-class NativeKVBlockIndex:
+class NativeKVBlockIndex(SideTables):
     """The two-level KV block index with its data in compiled code.
 
     Args and errors: as :class:`kvindex.index.KVBlockIndex` (token_processor,
@@ -93,19 +91,10 @@ class NativeKVBlockIndex:
             tp = self.token_processor
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
             self._A = tp._A
-        # orphans: (model, unknown parent engine key) -> waiting stores (as the reference)
-        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
-        self._orphan_blocks = 0
-        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
         self._models: set[str | None] = set()
         # model name -> the core's 16-bit model id (0 = None); never reused
         self._model_ids: dict[str | None, int] = {None: 0}
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_order: SortedList = SortedList()
-        self._spec_by_pod: dict[str, set[int]] = {}
-        # held by request key (kvindex.index.KVBlockIndex.add_held): pod -> key -> tier bit -> count; masks
-        self._held: dict[str, dict[int, dict[int, int]]] = {}
-        self._held_mask: dict[str, dict[int, int]] = {}
+        self._init_side_tables()  # orphans, speculative and held entries, as the reference
         # counters kept here; the core keeps evictions, stored/removed blocks, unknown removals/offloads
         self._c = dict.fromkeys(
             (
@@ -254,48 +243,6 @@ class NativeKVBlockIndex:
                 holders[pod] = expiry
                 mine.add(rk)
                 self._spec_order.add((expiry, rk, pod))
-
-    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
-        """Count ``pod`` as holding ``request_keys`` in ``tier`` until removed (as the reference)."""
-        bit = tier_bit(tier)
-        with self._lock:
-            held = self._held.setdefault(pod, {})
-            masks = self._held_mask.setdefault(pod, {})
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.setdefault(rk, {})
-                counts[bit] = counts.get(bit, 0) + 1
-                masks[rk] = masks.get(rk, 0) | bit
-
-    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
-        """Undo one :meth:`add_held`; returns the entries that ended (as the reference)."""
-        bit = tier_bit(tier)
-        ended = 0
-        with self._lock:
-            held = self._held.get(pod)
-            if held is None:
-                return 0
-            masks = self._held_mask[pod]
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.get(rk)
-                c = counts.get(bit) if counts is not None else None
-                if c is None:
-                    continue
-                if c > 1:
-                    counts[bit] = c - 1
-                    continue
-                del counts[bit]
-                ended += 1
-                if counts:
-                    masks[rk] &= ~bit
-                else:
-                    del held[rk]
-                    del masks[rk]
-            if not held:
-                del self._held[pod]
-                del self._held_mask[pod]
-        return ended
 
     # ------------------------------------------------------------------- read
 
@@ -563,69 +510,6 @@ class NativeKVBlockIndex:
                 raise ValueError("more than 65,535 models")
             mid = self._model_ids[model] = len(self._model_ids)
         return mid
-
-    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
-        n = len(item.engine_keys)
-        self._orphans.setdefault((item.model, parent_ek), []).append(item)
-        self._orphan_blocks += n
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is None:
-                self._orphan_by_ek[key] = [item]
-            else:
-                lst.append(item)  # the same block stored again while waiting (two physical copies)
-        self._c["orphans"] += n
-        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
-            _k, group = self._orphans.popitem(last=False)
-            for g in group:
-                self._forget_orphan(g)
-                self._c["orphans_dropped"] += len(g.engine_keys)
-
-    def _forget_orphan(self, item: _Orphan) -> None:
-        self._orphan_blocks -= len(item.engine_keys)
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is not None:
-                lst[:] = [w for w in lst if w is not item]
-                if not lst:
-                    del self._orphan_by_ek[key]
-
-    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model=ALL_MODELS) -> None:
-        every = model is ALL_MODELS
-        for pk in list(self._orphans):
-            group = self._orphans[pk]
-            keep = [
-                g for g in group
-                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
-            ]
-            if len(keep) != len(group):
-                kept = {id(g) for g in keep}
-                for g in group:
-                    if id(g) not in kept:
-                        self._forget_orphan(g)
-                        self._c["orphans_dropped"] += len(g.engine_keys)
-                if keep:
-                    self._orphans[pk] = keep
-                else:
-                    del self._orphans[pk]
-
-    def _expire(self, now: float) -> None:
-        order = self._spec_order
-        while order and order[0][0] <= now:
-            expiry, rk, pod = order.pop(0)
-            holders = self._spec.get(rk)
-            if holders is not None and holders.get(pod) == expiry:
-                del holders[pod]
-                if not holders:
-                    del self._spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
-                    if not mine:
-                        del self._spec_by_pod[pod]
-                self._c["speculative_expired"] += 1
 
 
 def _u64(buf: bytes) -> np.ndarray:
