@@ -51,7 +51,15 @@ def pd_router_config(fleet: VllmFleet, **kw: Any) -> RouterConfig:
 
 async def source_counters(session: aiohttp.ClientSession, engine: Engine) -> dict[str, float]:
     """An engine's prompt-token counters: ``vllm:prompt_tokens_by_source_total`` per source, plus
-    ``external_hits`` (``vllm:external_prefix_cache_hits_total``) and ``nixl_failed``."""
+    ``external_hits`` (``vllm:external_prefix_cache_hits_total``), ``nixl_failed``, and
+    ``kv_computed_sum`` / ``kv_computed_count`` (``_sum`` and ``_count`` of the histogram
+    ``vllm:request_prefill_kv_computed_tokens``: one observation per finished request of
+    prompt tokens - cached tokens, vllm/v1/metrics/loggers.py ``PrometheusStatLogger.record``).
+
+    On a decode engine serving a remote prefill (``do_remote_prefill`` with
+    ``remote_prefill_cached_tokens`` in its params), "cached" is the prefill engine's figure
+    (vllm/v1/engine/output_processor.py ``RequestState.from_new_request``), so D's observation
+    is the number of prompt tokens P computed, not what D itself did."""
     async with session.get(engine.base_url + "/metrics") as resp:
         text = await resp.text()
     out: dict[str, float] = {}
@@ -63,6 +71,10 @@ async def source_counters(session: aiohttp.ClientSession, engine: Engine) -> dic
                 out["external_hits"] = out.get("external_hits", 0.0) + s.value
             elif s.name == "vllm:nixl_num_failed_transfers_total":
                 out["nixl_failed"] = out.get("nixl_failed", 0.0) + s.value
+            elif s.name == "vllm:request_prefill_kv_computed_tokens_sum":
+                out["kv_computed_sum"] = out.get("kv_computed_sum", 0.0) + s.value
+            elif s.name == "vllm:request_prefill_kv_computed_tokens_count":
+                out["kv_computed_count"] = out.get("kv_computed_count", 0.0) + s.value
     return out
 
 
@@ -81,7 +93,17 @@ class Turn:
     seconds: float
     p_external: int = 0  # P's external_kv_transfer prompt tokens during the turn
     p_local_hit: int = 0  # P's local_cache_hit prompt tokens during the turn
-    p_computed: int = 0
+    p_computed: int = 0  # P's local_compute prompt tokens during the turn
+    #: P's and D's ``vllm:request_prefill_kv_computed_tokens`` during the turn: requests
+    #: finished (histogram _count delta) and the sum of their observations (_sum delta)
+    p_kv_computed_requests: int = 0
+    p_kv_computed: int = 0
+    d_kv_computed_requests: int = 0
+    d_kv_computed: int = 0
+    #: D's own prompt_tokens_by_source_total deltas (what D itself reused/pulled/computed)
+    d_local_hit: int = 0
+    d_external: int = 0
+    d_computed: int = 0
     top_logprobs: dict[str, float] = field(default_factory=dict)
 
 
@@ -108,6 +130,7 @@ async def run_turn(
         body["logprobs"] = logprobs
     headers = {"x-conversation-id": conversation_id} if conversation_id else {}
     before = await source_counters(session, fleet.engines[0])
+    d_before = await source_counters(session, fleet.engines[1])
     t0 = time.perf_counter()
     async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
         status = resp.status
@@ -115,6 +138,14 @@ async def run_turn(
         hdrs = {k.lower(): v for k, v in resp.headers.items() if k.lower().startswith("x-kvindex")}
     seconds = time.perf_counter() - t0
     after = await source_counters(session, fleet.engines[0])
+    d_after = await source_counters(session, fleet.engines[1])
+    if status == 200:
+        # D records a finished request in the output-handler pass that hands the answer over;
+        # allow a little slack anyway before reading its histogram
+        deadline = time.monotonic() + 5.0
+        while _delta(d_after, d_before, "kv_computed_count") < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            d_after = await source_counters(session, fleet.engines[1])
     out_ids: list[int] = []
     top: dict[str, float] = {}
     if status == 200:
@@ -132,6 +163,13 @@ async def run_turn(
         p_external=_delta(after, before, "external_kv_transfer"),
         p_local_hit=_delta(after, before, "local_cache_hit"),
         p_computed=_delta(after, before, "local_compute"),
+        p_kv_computed_requests=_delta(after, before, "kv_computed_count"),
+        p_kv_computed=_delta(after, before, "kv_computed_sum"),
+        d_kv_computed_requests=_delta(d_after, d_before, "kv_computed_count"),
+        d_kv_computed=_delta(d_after, d_before, "kv_computed_sum"),
+        d_local_hit=_delta(d_after, d_before, "local_cache_hit"),
+        d_external=_delta(d_after, d_before, "external_kv_transfer"),
+        d_computed=_delta(d_after, d_before, "local_compute"),
         top_logprobs=top,
     )
 

@@ -3,7 +3,10 @@ behind the P/D router (examples/router/pd.py, built on connector.planner.PDPlann
 
 (a) turn 2 of a conversation pulls D's retained blocks: P's own counters
     (prompt_tokens_by_source_total{source="external_kv_transfer"} and
-    {source="local_cache_hit"}) equal the router's predicted pulled and local tokens;
+    {source="local_cache_hit"}) equal the router's predicted pulled and local tokens, and D's
+    vllm:request_prefill_kv_computed_tokens shows what P computed (prompt - P's cached tokens,
+    which D takes from remote_prefill_cached_tokens in P's params: vLLM's
+    RequestState.from_new_request and PrometheusStatLogger.record);
 (b) the guard: a client edits the history between turns (strips a span of an answer, changes a
     token inside the retained range); through the guarded router the first generated token's top
     logprobs stay within a small tolerance of one engine recomputing the same prompt, and P pulls
@@ -136,6 +139,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                         "pd": pd,
                         "common": common_prefix_len(retained, prompt2),
                         "retained": len(retained),
+                        "prompt2": len(prompt2),
                         "ref": ref,
                         "diff": max_diff(t2.top_logprobs, ref),
                     }
@@ -171,9 +175,23 @@ def outcome(pd_fleet: PDFleet, vllm_timings: dict[str, float]) -> dict[str, Any]
     return result
 
 
-def test_a_turn2_pulls_and_prediction_matches_engine(outcome: dict[str, Any]) -> None:
+def test_a_turn2_pulls_and_prediction_matches_engine(
+    outcome: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     r = outcome["none-guard"]
     plan, t1, t2 = r["plan"], r["t1"], r["t2"]
+    predicted_computed = r["prompt2"] - plan.local_tokens - plan.pulled_tokens  # what P must compute
+    with capsys.disabled():
+        print(
+            f"\n[P/D pull] pulled {t2.p_external} (predicted {plan.pulled_tokens}), local {t2.p_local_hit} "
+            f"(predicted {plan.local_tokens}), logprob diff vs recompute {r['diff']:.4f}, "
+            f"TTFT {r['pd'].ttft_ms:.0f} ms\n[P/D pull] request_prefill_kv_computed_tokens: turn 1 "
+            f"D {t1.d_kv_computed} (n={t1.d_kv_computed_requests}), P computed {t1.p_computed}; turn 2 (prompt "
+            f"{r['prompt2']}) D {t2.d_kv_computed} (n={t2.d_kv_computed_requests}), P {t2.p_kv_computed} "
+            f"(n={t2.p_kv_computed_requests}), predicted {predicted_computed}, P computed {t2.p_computed}; "
+            f"D's own turn-2 prompt tokens: local hit {t2.d_local_hit}, from P {t2.d_external}, "
+            f"computed {t2.d_computed}"
+        )
     assert t1.headers["x-kvindex-pd-action"] == "recompute"
     assert t2.status == 200 and plan.action == "pull", plan.explain()
     assert t2.headers["x-kvindex-pd-action"] == "pull"
@@ -183,10 +201,24 @@ def test_a_turn2_pulls_and_prediction_matches_engine(outcome: dict[str, Any]) ->
     assert plan.local_tokens + plan.pulled_tokens == r["retained"]
     # P's answer confirms the reuse too
     assert r["pd"].prefill_cached_tokens == r["retained"]
+    # D's histogram vllm:request_prefill_kv_computed_tokens (one observation per finished request:
+    # prompt tokens - cached tokens, where a remote-prefill request's cached tokens are P's
+    # remote_prefill_cached_tokens) shows what P computed: in turn 1 the prompt less P's local
+    # hits, in turn 2 only what the router predicted P must compute (the prompt less local + pulled)
+    assert t1.d_kv_computed_requests == 1, t1.d_kv_computed_requests
+    assert t1.d_kv_computed == t1.p_computed > 0, (t1.d_kv_computed, t1.p_computed)
+    assert t2.d_kv_computed_requests == 1, t2.d_kv_computed_requests
+    assert t2.d_kv_computed == predicted_computed == t2.p_computed > 0, (
+        t2.d_kv_computed,
+        predicted_computed,
+        t2.p_computed,
+        plan.explain(),
+    )
+    # P's own observation of the same histogram agrees
+    assert t2.p_kv_computed_requests == 1, t2.p_kv_computed_requests
+    assert t2.p_kv_computed == predicted_computed, (t2.p_kv_computed, predicted_computed)
     # and the output matches one engine recomputing everything
     assert r["diff"] <= TOLERANCE, (t2.top_logprobs, r["ref"])
-    print(f"[P/D pull] pulled {t2.p_external} (predicted {plan.pulled_tokens}), local {t2.p_local_hit}, "
-          f"logprob diff vs recompute {r['diff']:.4f}, TTFT {r['pd'].ttft_ms:.0f} ms")
 
 
 @pytest.mark.parametrize("edit", ["strip", "change"])
