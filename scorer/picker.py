@@ -140,17 +140,12 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
                     e.reason,
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         head = f"picker={self.picker} chosen={self.pod} score={self.score:.3f}"
         if self.weights is not None:
             w = self.weights
             head += (f"  (total = {w.prefix:g} x prefix + {w.kv_usage:g} x kv + {w.queue:g} x queue;"
                      " the three columns are unweighted, 0..1)")
-        lines = [head]
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
-        return "\n".join(lines)
-
+        return _table(head, rows)
 
     def _explain_ttft(self) -> str:
         header = ("", "pod", "cost", "queued", "uncached", "kv_use", "tokens", "waiting", "inflight", "reason")
@@ -170,13 +165,15 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
                     e.reason,
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         head = (f"picker={self.picker} chosen={self.pod} cost={-self.score:.0f} tokens"
                 "  (cost = queued + uncached x (1 + kv_pressure x kv_use); lowest wins)")
-        lines = [head]
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
-        return "\n".join(lines)
+        return _table(head, rows)
+
+
+def _table(head: str, rows: list[tuple[str, ...]]) -> str:
+    """``head``, then ``rows`` (the first is the header) in aligned columns; the last column is not padded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows])
 
 
 def _finite_nonneg(x: float) -> float:
