@@ -18,8 +18,10 @@ model) stream, whether to ask for the full report:
   (:meth:`kvevents.pool.EventPool.completeness`): the router joined after the
   engine's seq 0 left its replay buffer (``buffer_steps``), a gap the replay
   could not cover, a dropped message not yet replayed, a reconnect without
-  replay, or a malformed event.  A stream the pool has not seen yet also
-  needs it (nothing is known about it).  A stream that becomes complete again
+  replay, or a malformed event.  A stream the pool has not seen yet does
+  not (an engine that published nothing has nothing cached; one whose
+  replay endpoint failed or that has none shows up incomplete with its
+  first message).  A stream that becomes complete again
   on the write path (a replay covering the loss, a restart at seq 0, an
   AllBlocksCleared) stops needing it at once.
 - *Healed* rule (cheap, per stream, O(1) per request): the policy watches
@@ -188,10 +190,10 @@ class HealingPolicy:
 
     # -- the router's calls
 
-    def _streams(self, pod: str, dp_rank: int, model: str | None) -> list[StreamState]:
+    def _streams(self, pod: str, dp_rank: int | None, model: str | None) -> list[StreamState]:
         return [
             s for s in self.pool.completeness(pod)
-            if s.dp_rank == dp_rank and (model is None or s.model is None or s.model == model)
+            if (dp_rank is None or s.dp_rank == dp_rank) and (model is None or s.model is None or s.model == model)
         ]
 
     def _episode(self, s: StreamState) -> _Episode | None:
@@ -206,13 +208,12 @@ class HealingPolicy:
             self._c["episodes"] += 1
         return ep
 
-    def wants_full_report(self, pod: str, dp_rank: int = 0, model: str | None = None) -> bool:
+    def wants_full_report(self, pod: str, dp_rank: int | None = 0, model: str | None = None) -> bool:
         """True when a request sent now to ``pod`` (DP rank ``dp_rank``, ``model``; None = any
-        model) should carry ``kv_cache_report_mode: "full"``: one of its streams is
-        incomplete and not yet judged healed, or the pool has not seen any of them."""
+        rank / any model, e.g. when the engine picks the rank) should carry
+        ``kv_cache_report_mode: "full"``: one of those streams is incomplete and not yet
+        judged healed.  Streams the pool has not seen are not asked."""
         streams = self._streams(pod, dp_rank, model)
-        if not streams:
-            return True
         with self._lock:
             want = False
             for s in streams:
@@ -221,7 +222,7 @@ class HealingPolicy:
                     want = True
             return want
 
-    def full_report_sent(self, pod: str, dp_rank: int = 0, model: str | None = None) -> None:
+    def full_report_sent(self, pod: str, dp_rank: int | None = 0, model: str | None = None) -> None:
         """Count a request sent to ``pod`` with the full report (after :meth:`wants_full_report`)."""
         streams = self._streams(pod, dp_rank, model)
         with self._lock:
@@ -235,14 +236,14 @@ class HealingPolicy:
                     ep.healing, ep.why = False, "cap"
                     self._c["healed_cap"] += 1
 
-    def full_report_done(self, pod: str, dp_rank: int = 0, model: str | None = None) -> None:
+    def full_report_done(self, pod: str, dp_rank: int | None = 0, model: str | None = None) -> None:
         """Count a full-report request to ``pod`` as ended (its answer came back, so the
         engine has published its events); ``quiet_requests`` such ends in a row without a
         discovery heal the stream."""
         with self._lock:
             self._c["done"] += 1
             for key, ep in self._episodes.items():
-                if key[0] != pod or key[2] != dp_rank or (model is not None and key[1] not in (None, model)):
+                if key[0] != pod or dp_rank not in (None, key[2]) or (model is not None and key[1] not in (None, model)):
                     continue
                 if not ep.healing:
                     continue

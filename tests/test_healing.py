@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from indexer.healing import FULL_REPORT_XARGS, HealingPolicy, with_full_report
-from tests.test_zmq_writepath import BS, MODEL, MODES, Prompts, Rig, make_rig  # noqa: F401 (fixture)
+from tests.test_zmq_writepath import BS, MODEL, MODES, Prompts, Rig, make_rig, wait_until  # noqa: F401 (fixture)
 
 POD = "pod-a"
 
@@ -104,13 +104,13 @@ def test_complete_and_unseen_streams(make_rig: Callable[..., Rig]) -> None:
     rig.subscribe([e])
     rig.join(e)
     heal = HealingPolicy(rig.pool)
-    assert heal.wants_full_report("pod-unseen")  # nothing known about it: ask
+    assert not heal.wants_full_report("pod-unseen")  # published nothing: nothing to re-announce
     prompts = Prompts(5)
     for _ in range(3):
         assert not send(rig, heal, e, prompts.next())  # complete from seq 0: never asked
     assert [s.complete for s in rig.pool.completeness(POD)] == [True]
     assert not heal.wants_full_report(POD, 0, None) and not heal.wants_full_report(POD, 0, MODEL)
-    assert heal.wants_full_report(POD, 1, MODEL)  # a DP rank never seen
+    assert not heal.wants_full_report(POD, 1, MODEL) and not heal.wants_full_report(POD, None, None)
     assert heal.states() == [] and heal.stats().episodes == 0
 
 
@@ -189,3 +189,97 @@ def test_with_full_report_merges_and_never_drops_keys(body: dict, xargs: object)
         }
     else:
         assert out == body  # not an object: left for the engine to reject
+
+
+# ---------------------------------------------------------------- the reference router
+
+
+class _HttpSimEngine:
+    """An OpenAI-style HTTP front for a SimEngine: ``/v1/completions`` with token-id prompts serves
+    them (honouring ``vllm_xargs.kv_cache_report_mode``) and records each body; ``/metrics`` answers
+    an idle engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.bodies: list[dict] = []
+
+    def app(self):
+        from aiohttp import web
+
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.bodies.append(body)
+            mode = (body.get("vllm_xargs") or {}).get("kv_cache_report_mode", "incremental")
+            hit = self.engine.serve(body["prompt"], report_mode=mode)
+            return web.json_response({"choices": [{"text": "x"}], "usage": {"cached": hit}})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n")
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_get("/metrics", metrics)
+        return app
+
+
+@pytest.mark.parametrize("healing", [True, False])
+def test_router_adds_the_full_report_while_healing(make_rig: Callable[..., Rig], healing: bool) -> None:
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from examples.router.app import EngineSpec, RouterConfig, RunningRouter
+
+    rig = make_rig("compat")
+    e = rig.engine(POD, capacity=1000, buffer_steps=3)
+    prompts = Prompts(21)
+    served = [prompts.next() for _ in range(10)]
+    for t in served:
+        rig.serve(e, t)
+    front = _HttpSimEngine(e)
+
+    def applied(ix) -> int | None:
+        return next((x.last_seq for x in ix.completeness(POD)), None)
+
+    async def run() -> tuple[list[bool], str]:
+        runner = web.AppRunner(front.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        cfg = RouterConfig(
+            engines=[EngineSpec(pod=POD, url=url, endpoint=e.endpoint, replay_endpoint=e.replay_endpoint)],
+            model=MODEL, block_size=BS, port=0, healing=healing, heal_quiet_requests=3,
+            indexer={"token_processor_config": {"algorithm": "vllm_sha256"}},
+        )
+        full: list[bool] = []
+        try:
+            async with RunningRouter(cfg) as rr, aiohttp.ClientSession() as s:
+                ix = rr.router.indexer
+                for t in served + served[:4]:
+                    n = e.stats().next_seq  # the seq the engine publishes next, if it does
+                    body = {"model": MODEL, "prompt": t, "max_tokens": 1, "vllm_xargs": {"client_key": 7}}
+                    async with s.post(rr.url + "/v1/completions", json=body) as r:
+                        assert r.status == 200
+                    sent = front.bodies[-1]
+                    assert sent["vllm_xargs"]["client_key"] == 7 and sent["prompt"] == t
+                    full.append(sent["vllm_xargs"].get("kv_cache_report_mode") == "full")
+                    if e.stats().next_seq > n:  # the engine published: wait until the index applied it
+                        await asyncio.to_thread(wait_until, lambda: applied(ix) == n, f"seq {n} applied")
+                async with s.get(rr.url + "/metrics") as r:
+                    metrics = await r.text()
+                known = set(ix.index.pod_keys(POD))
+                assert (known == set(e.cached_blocks())) == healing  # compat keys: request key = engine key
+        finally:
+            await runner.cleanup()
+        return full, metrics
+
+    full, metrics = asyncio.run(run())
+    if not healing:
+        assert not any(full)
+        return
+    # 7 of the 10 prompts were cached before the router joined and outside the replay buffer: they
+    # discover; the last 3 (buffered) and the repeats are quiet: 3 in a row end the episode
+    assert full == [True] * 10 + [False] * 4
+    assert f'kvindex_router_full_reports_total{{pod="{POD}"}} 10.0' in metrics
