@@ -24,7 +24,9 @@ model) stream, whether to ask for the full report:
   first message).  A stream that becomes complete again
   on the write path (a replay covering the loss, a restart at seq 0, an
   AllBlocksCleared) stops needing it at once.
-- *Healed* rule (cheap, per stream, O(1) per request): the policy watches
+- *Healed* rule (cheap: per request a scan of the pool's stream table and a
+  few counters, no index work; per re-announce on a stream being healed,
+  one index lookup per block): the policy watches
   the BlockStored events whose parent is nil (the shape of every
   re-announce) on streams being healed and counts the blocks the index did
   not yet hold for that stream (a *discovery*).  The stream is judged healed
@@ -48,7 +50,7 @@ Use (any router; :class:`indexer.Indexer` users pass ``ix.pool``)::
     heal = HealingPolicy(ix.pool)
     ...
     if heal.wants_full_report(pod, dp_rank, model):
-        body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), "kv_cache_report_mode": "full"}
+        body = with_full_report(body)   # kv_cache_report_mode merged into the client's vllm_xargs
         heal.full_report_sent(pod, dp_rank, model)
     ... send, wait for the answer ...
     heal.full_report_done(pod, dp_rank, model)   # only for requests that carried it
