@@ -19,9 +19,10 @@ decimal, ``<mid>`` a model id (0 = no model; names in ``mids`` / ``mnames``),
 =====================  ======  ===============================================
 key                    type    content
 =====================  ======  ===============================================
-``b:<rk>``             hash    level 1: ``p:<pod>`` -> the pod's mask (OR over
-                               its DP ranks; what the read path reads);
-                               ``r:<rank>:<pod>`` -> ``<mask>:<ek>:<mid>``
+``b:<rk>``             hash    level 1: ``r:<rank>:<pod>`` ->
+                               ``<mask>:<ek>:<mid>`` per DP rank holding it
+``pm:<pod>``           hash    the read path's view: ``<rk>`` -> the pod's
+                               mask (OR over its DP ranks)
 ``e:<mid>``            hash    level 2: ``<ek>`` -> ``<rk>:<holders>`` (number
                                of (pod, rank) streams holding it)
 ``s:<mid>:<rank>:<pod>`` hash  one publisher stream: ``<ek>`` -> ``<rk>``
@@ -41,9 +42,10 @@ key                    type    content
 
 Round trips: every operation is ONE server-side Lua script (EVALSHA; see
 :mod:`kvindex.redis_lua`), run atomically: a prefix match over N request keys
-for every candidate pod (stopping at the last pod's first miss, then the LRU
-refresh of the longest match), a batch of stored blocks, a removal, a clear,
-a lookup.  A BlockStored with token ids costs two: resolving the parent's
+for every candidate pod (per pod, HMGETs of ``pm:<pod>`` in chunks of 64,
+128, ... keys until its first miss; then the LRU refresh of the longest
+match in one ZADD per 256 keys), a batch of stored blocks, a removal, a
+clear, a lookup.  A BlockStored with token ids costs two: resolving the parent's
 request key, then the store (the keys are chained in Python in between).
 
 Idempotent writes: a script applied twice leaves the same state (every

@@ -31,6 +31,7 @@ local function ekey(mid) return P .. 'e:' .. mid end
 local function xkey(pod) return P .. 'x:' .. pod end
 local function hkey(pod) return P .. 'h:' .. pod end
 local function hckey(pod) return P .. 'hc:' .. pod end
+local function pmkey(pod) return P .. 'pm:' .. pod end
 
 -- "mask:ek:mid" of a level-1 rank entry
 local function parse_entry(v)
@@ -104,13 +105,23 @@ local function pod_ranks(bk, pod)
   return m, n
 end
 
-local function set_pod_mask(bk, pod, mask)
-  if redis.call('HSET', bk, 'p:' .. pod, mask) == 1 then redis.call('HINCRBY', PK, pod, 1) end
+-- A value longer than hash-max-listpack-value (64 bytes by default) makes Redis keep the hash as a
+-- hash table: HMGET of many fields is then O(1) per field (a listpack is scanned for each field).
+local WIDE = string.rep('-', 80)
+
+local function set_pod_mask(rk, pod, mask)
+  local pm = pmkey(pod)
+  if redis.call('HSET', pm, rk, mask) == 1 then
+    if redis.call('HINCRBY', PK, pod, 1) == 1 then redis.call('HSET', pm, '~', WIDE) end
+  end
 end
 
-local function drop_pod_mask(bk, pod)
-  if redis.call('HDEL', bk, 'p:' .. pod) == 1 then
-    if redis.call('HINCRBY', PK, pod, -1) <= 0 then redis.call('HDEL', PK, pod) end
+local function drop_pod_mask(rk, pod)
+  if redis.call('HDEL', pmkey(pod), rk) == 1 then
+    if redis.call('HINCRBY', PK, pod, -1) <= 0 then
+      redis.call('HDEL', PK, pod)
+      redis.call('DEL', pmkey(pod))
+    end
   end
 end
 
@@ -119,9 +130,9 @@ local function settle_pod(rk, pod)
   local bk = bkey(rk)
   local m, n = pod_ranks(bk, pod)
   if n > 0 then
-    set_pod_mask(bk, pod, m)
+    set_pod_mask(rk, pod, m)
   else
-    drop_pod_mask(bk, pod)
+    drop_pod_mask(rk, pod)
     if redis.call('EXISTS', bk) == 0 then redis.call('ZREM', LRU, rk) end
   end
 end
@@ -143,7 +154,7 @@ local function drop_copy(pod, rank, ek, rk, bitv, compat)
   end
   redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
   local m = pod_ranks(bk, pod)
-  set_pod_mask(bk, pod, m)
+  set_pod_mask(rk, pod, m)
   return true
 end
 
@@ -155,16 +166,11 @@ local function evict_one(compat)
   local bk = bkey(rk)
   local all = redis.call('HGETALL', bk)
   for i = 1, #all, 2 do
-    local f = all[i]
-    if string.sub(f, 1, 2) == 'p:' then
-      local pod = string.sub(f, 3)
-      if redis.call('HINCRBY', PK, pod, -1) <= 0 then redis.call('HDEL', PK, pod) end
-    else
-      local rank, pod = parse_rfield(f)
-      if rank then
-        local _, ek, mid = parse_entry(all[i + 1])
-        unlink(pod, rank, mid, ek, rk, compat)
-      end
+    local rank, pod = parse_rfield(all[i])
+    if rank then
+      drop_pod_mask(rk, pod)
+      local _, ek, mid = parse_entry(all[i + 1])
+      unlink(pod, rank, mid, ek, rk, compat)
     end
   end
   redis.call('DEL', bk)
@@ -233,8 +239,8 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     end
     redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
   end
-  local pm = tonumber(redis.call('HGET', bk, 'p:' .. pod) or '0')
-  set_pod_mask(bk, pod, bit.bor(pm, bitv))
+  local pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0')
+  set_pod_mask(rk, pod, bit.bor(pm, bitv))
   link(pod, rank, mid, ek, rk, compat)
 end
 
@@ -342,7 +348,7 @@ local xk = xkey(pod)
 local added = false
 for i = 7, #ARGV do
   local rk = ARGV[i]
-  if redis.call('HEXISTS', bkey(rk), 'p:' .. pod) == 0 then
+  if redis.call('HEXISTS', pmkey(pod), rk) == 0 then
     redis.call('ZADD', xk, expiry, rk)
     added = true
   end
@@ -382,7 +388,7 @@ else
   kstart = 6 + npods
 end
 -- per candidate: does it have held or speculative entries?
-local alive, fields, held, spec, masks = {}, {}, {}, {}, {}
+local alive, held, spec, masks = {}, {}, {}, {}
 for _, p in ipairs(cands) do
   local h = redis.call('EXISTS', hkey(p)) == 1
   local x = redis.call('EXISTS', xkey(p)) == 1
@@ -395,35 +401,40 @@ for _, p in ipairs(cands) do
 end
 local nkeys = #ARGV - kstart + 1
 local longest = 0
-local i = 0
-while #alive > 0 and i < nkeys do
-  local rk = ARGV[kstart + i]
-  local fl = {}
-  for j, p in ipairs(alive) do fl[j] = 'p:' .. p end
-  local vals = redis.call('HMGET', bkey(rk), unpack(fl))
-  local still = {}
-  for j, p in ipairs(alive) do
-    local m = vals[j]
-    if m then m = tonumber(m) else m = nil end
-    if held[p] then
-      local hm = redis.call('HGET', hkey(p), rk)
-      if hm then m = bit.bor(m or 0, tonumber(hm)) end
-    end
-    if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), rk) then m = gpu end
-    if m then
-      local ms = masks[p]
+-- per pod: HMGET of its masks in growing chunks (64, 128, ...) until its first miss
+for _, p in ipairs(alive) do
+  local ms = masks[p]
+  local i, chunk, done = 0, 64, false
+  while not done and i < nkeys do
+    local n = math.min(chunk, nkeys - i)
+    local vals = redis.call('HMGET', pmkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1))
+    local hv = nil
+    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1)) end
+    for j = 1, n do
+      local m = vals[j]
+      if m then m = tonumber(m) else m = nil end
+      if hv and hv[j] then m = bit.bor(m or 0, tonumber(hv[j])) end
+      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), ARGV[kstart + i + j - 1]) then m = gpu end
+      if m == nil then done = true; break end
       ms[#ms + 1] = m
-      still[#still + 1] = p
     end
+    i = i + n
+    chunk = chunk * 2
   end
-  alive = still
-  i = i + 1
-  if #alive > 0 then longest = i end
+  if #ms > longest then longest = #ms end
 end
 if touch and longest > 0 then
   local top = redis.call('INCRBY', P .. 'tick', longest)
-  for k = 1, longest do
-    redis.call('ZADD', LRU, 'XX', top - longest + k, ARGV[kstart + k - 1])
+  local k = 1
+  while k <= longest do
+    local args = {'XX'}
+    local stop = math.min(longest, k + 255)
+    for q = k, stop do
+      args[#args + 1] = top - longest + q
+      args[#args + 1] = ARGV[kstart + q - 1]
+    end
+    redis.call('ZADD', LRU, unpack(args))
+    k = stop + 1
   end
 end
 local out = {expired}
@@ -474,24 +485,29 @@ return out
 # ARGV: P, pod, keys... -> best rank (string) or false
 _BEST_RANK = r"""
 local pod = ARGV[2]
-local alive = nil
+local ranks, seen = {}, {}
+for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+  local r = string.sub(s, string.find(s, ':', 1, true) + 1)
+  if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
+end
+if #ranks == 0 or #ARGV < 3 then return false end
+if #ranks == 1 then
+  -- one rank holds every block of the pod
+  if redis.call('HEXISTS', bkey(ARGV[3]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
+  return false
+end
+local alive = ranks
 local best = false
 for i = 3, #ARGV do
-  local all = redis.call('HGETALL', bkey(ARGV[i]))
-  local ranks = {}
-  for j = 1, #all, 2 do
-    local rank, p = parse_rfield(all[j])
-    if p == pod then ranks[rank] = true end
-  end
+  local fl = {}
+  for j, r in ipairs(alive) do fl[j] = 'r:' .. r .. ':' .. pod end
+  local vals = redis.call('HMGET', bkey(ARGV[i]), unpack(fl))
   local nxt = {}
-  local any = false
-  for r, _ in pairs(ranks) do
-    if alive == nil or alive[r] then nxt[r] = true; any = true end
-  end
-  if not any then break end
+  for j, r in ipairs(alive) do if vals[j] then nxt[#nxt + 1] = r end end
+  if #nxt == 0 then break end
   alive = nxt
   local b = nil
-  for r, _ in pairs(alive) do
+  for _, r in ipairs(alive) do
     if b == nil or tonumber(r) < tonumber(b) then b = r end
   end
   best = b
