@@ -527,7 +527,11 @@ class RedisKVBlockIndex(SideTables):
         self._c["speculative_expired"] += int(res[0])
         out: dict[str, list[int]] = {}
         for i in range(1, len(res), 2):
-            out[res[i].decode()] = [int(m) for m in res[i + 1]]
+            rle = res[i + 1]
+            masks: list[int] = []
+            for j in range(0, len(rle), 2):
+                masks += [rle[j]] * rle[j + 1]
+            out[res[i].decode()] = masks
         return out
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:

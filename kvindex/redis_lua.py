@@ -364,7 +364,7 @@ return expired
 """
 
 # ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys...
-# -> {expired, pod1, {masks}, pod2, {masks}, ...}
+# -> {expired, pod1, {mask, run length, mask, run length, ...}, pod2, {...}, ...} (the masks run-length coded)
 _MATCH = r"""
 local now = now_arg(ARGV[2])
 local gpu = tonumber(ARGV[3])
@@ -441,8 +441,17 @@ local out = {expired}
 for _, p in ipairs(cands) do
   local ms = masks[p]
   if ms and #ms > 0 then
+    local rle = {}
+    local cur, run = ms[1], 0
+    for _, m in ipairs(ms) do
+      if m == cur then run = run + 1 else
+        rle[#rle + 1] = cur; rle[#rle + 1] = run
+        cur, run = m, 1
+      end
+    end
+    rle[#rle + 1] = cur; rle[#rle + 1] = run
     out[#out + 1] = p
-    out[#out + 1] = ms
+    out[#out + 1] = rle
   end
 end
 return out
