@@ -93,7 +93,7 @@ def test_same_steps_as_the_reference(redis_url, monkeypatch):
     monkeypatch.setattr(RedisKVBlockIndex, "check", lambda self: None, raising=False)
     machine = type("Machine", (RedisSameSteps,), {"url": redis_url})
     run_state_machine_as_test(machine, settings=settings(
-        max_examples=20, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck),
+        max_examples=15, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck),
     ))
 
 
