@@ -434,7 +434,7 @@ def plot(res: PDResult, path) -> None:
     xs = [p.context for p in res.points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
-    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (predicted)")
+    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (model)")
     ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
     ax.scatter(list(res.published_off), [v * 1e3 for v in res.published_off.values()], marker="x", s=80,
                color="C0", label="seed off")
