@@ -429,18 +429,22 @@ class TTFTPicker:
       evict cached prefixes other requests would reuse (and at the limit
       preempt running requests), so the work placed there costs more the
       fuller it is; a full hit writes nothing and pays nothing for it.
-    * overflow(p) = ``max(0, queued(p) + uncached(p) - free(p))`` with
-      free(p) = ``(1 - kv_usage) x kv_capacity_tokens`` (when the pod's
-      ``LoadSnapshot.kv_capacity_tokens`` is known, else 0): the KV this
-      request and the prefill queued ahead of it must allocate beyond what
-      is free.  vLLM 0.32's scheduler admits waiting requests in order only
-      while their blocks can be allocated
-      (``KVCacheManager.allocate_slots``), so such a request waits, and the
-      queue behind it too, until running requests finish and free blocks:
-      a stall of decode length, not of prefill length.  Each overflowing
-      token costs ``kv_stall`` prefill tokens, which ranks every pod where
-      the work fits before any where it does not, and among the latter the
-      smallest overflow first.
+    * overflow(p) = ``max(0, queued(p) + uncached(p) + running(p) x
+      decode_reserve - free(p))`` with free(p) = ``(1 - kv_usage) x
+      kv_capacity_tokens`` (when the pod's ``LoadSnapshot.kv_capacity_tokens``
+      is known; else no overflow): the KV that this request, the prefill
+      queued ahead of it and the growth of the running requests meanwhile
+      (each decoding request writes one token per step, and vLLM 0.32's
+      scheduler serves running requests first) must allocate beyond what is
+      free.  The scheduler admits waiting requests in order only while their
+      blocks can be allocated (``KVCacheManager.allocate_slots``) and a
+      decoding request that finds no free block preempts the newest running
+      one, so such a request waits, and the queue behind it too, until
+      running requests finish: a stall of decode length (tens of seconds for
+      long answers), not of prefill length.  Each overflowing token costs
+      ``kv_stall`` prefill tokens, which ranks every pod where the work fits
+      before any where it does not, and among the latter the smallest
+      overflow first.
 
     The full cost::
 
@@ -458,6 +462,8 @@ class TTFTPicker:
         kv_pressure: weight of the KV-headroom term (>= 0, finite).
         kv_stall: cost in prefill tokens of one token of KV overflow (>= 0,
             finite; 0 turns the term off).
+        decode_reserve: tokens each running request is expected to add to
+            its KV before this request's first token (>= 0, finite).
         tie_tokens: costs closer than this count as equal (>= 0).
 
     Raises:
@@ -466,12 +472,21 @@ class TTFTPicker:
 
     name = "ttft"
 
-    def __init__(self, *, kv_pressure: float = 10.0, kv_stall: float = 100.0, tie_tokens: float = 0.0) -> None:
-        for n, v in (("kv_pressure", kv_pressure), ("kv_stall", kv_stall), ("tie_tokens", tie_tokens)):
+    def __init__(
+        self,
+        *,
+        kv_pressure: float = 10.0,
+        kv_stall: float = 100.0,
+        decode_reserve: float = 16.0,
+        tie_tokens: float = 0.0,
+    ) -> None:
+        for n, v in (("kv_pressure", kv_pressure), ("kv_stall", kv_stall), ("decode_reserve", decode_reserve),
+                     ("tie_tokens", tie_tokens)):
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{n} must be finite and >= 0, got {v}")
         self.kv_pressure = float(kv_pressure)
         self.kv_stall = float(kv_stall)
+        self.decode_reserve = float(decode_reserve)
         self.tie_tokens = float(tie_tokens)
         self.weights = None
 
@@ -512,7 +527,8 @@ class TTFTPicker:
             cap = ld.kv_capacity_tokens if ld is not None else None
             if cap is not None and self.kv_stall > 0.0:
                 free = (1.0 - r.kv_cache_usage) * _finite_nonneg(cap)
-                over = max(0.0, q + un - free)
+                growth = _finite_nonneg(ld.running) * self.decode_reserve
+                over = max(0.0, q + un + growth - free)
             uncached[r.pod] = int(round(un))
             queued[r.pod] = q
             overflow[r.pod] = over
