@@ -161,8 +161,8 @@ class ScorerConfig(_Base, frozen=True):
 
     picker: ``weighted`` (scorer.picker.WeightedPicker, with ``weights``) or
     ``ttft`` (scorer.picker.TTFTPicker: the pod with the lowest estimated
-    time to first token, with ``kv_pressure``, ``kv_stall`` and
-    ``decode_reserve``).
+    time to first token, with ``kv_pressure``, and the KV-overflow term
+    ``kv_stall`` x overflow, off by default, with ``decode_reserve``).
     speculative_ttl: seconds a request's blocks count as present on the pod
     ``Indexer.route`` chose, until the engine's events confirm them (0
     disables; ``score`` alone never marks anything).
@@ -176,7 +176,7 @@ class ScorerConfig(_Base, frozen=True):
     picker: str = "ttft"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
     kv_pressure: float = 10.0
-    kv_stall: float = 100.0
+    kv_stall: float = 0.0
     decode_reserve: float = 16.0
     speculative_ttl: float = 5.0
 

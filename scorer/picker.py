@@ -444,7 +444,10 @@ class TTFTPicker:
       long answers), not of prefill length.  Each overflowing token costs
       ``kv_stall`` prefill tokens, which ranks every pod where the work fits
       before any where it does not, and among the latter the smallest
-      overflow first.
+      overflow first.  Off by default (``kv_stall`` 0): in the fleet
+      simulator (bench/sim/README.md) it did not remove the stalls of a fleet
+      whose KV is full everywhere (it moves misses onto pods that then stall
+      in turn), so it is there to try, not a tuned default.
 
     The full cost::
 
@@ -461,7 +464,8 @@ class TTFTPicker:
     Args:
         kv_pressure: weight of the KV-headroom term (>= 0, finite).
         kv_stall: cost in prefill tokens of one token of KV overflow (>= 0,
-            finite; 0 turns the term off).
+            finite; 0, the default, turns the term off; 100 makes any
+            overflow outweigh a full miss).
         decode_reserve: tokens each running request is expected to add to
             its KV before this request's first token (>= 0, finite).
         tie_tokens: costs closer than this count as equal (>= 0).
@@ -476,7 +480,7 @@ class TTFTPicker:
         self,
         *,
         kv_pressure: float = 10.0,
-        kv_stall: float = 100.0,
+        kv_stall: float = 0.0,
         decode_reserve: float = 16.0,
         tie_tokens: float = 0.0,
     ) -> None:
