@@ -415,7 +415,7 @@ def table(res: PDResult) -> str:
         f"k = {m.k:.2e}; NIXL READ = {m.latency * 1e6:.0f} us + 256 KiB/token at {m.bandwidth / 1e9:.1f} GB/s; "
         f"block size {res.block_size}, kv_recompute_threshold {res.threshold}.",
         "",
-        "| context | off ms | on ms (predicted) | published on ms | error | on: pulled | ours ms | ours: local / pulled | ours / on |",
+        "| context | off ms | on ms (model) | published on ms | error | on: pulled | ours ms | ours: local / pulled | ours / on |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in res.points:
