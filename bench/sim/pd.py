@@ -46,7 +46,8 @@ Policies: ``off`` (no bidirectional transfer: D answers without params),
 ``on`` (the seed: one P without prefix cache, D's retained KV pulled when
 the planner says so), ``ours`` (several P pods with prefix caching on, their
 KV events in the index; the planner picks the P holding the longest prefix
-and pulls from D only what D holds beyond it, by the threshold rule).
+and pulls from D only what D holds beyond it, by the threshold rule with the
+threshold :mod:`connector.advisor` recommends for the model and link).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import numpy as np
 
 from bench.sim.engine import chain_hashes
 from bench.sim.wire import BlockStored, encode_batch, topic
+from connector.advisor import ModelKV, TransferCost, advise
 from connector.params import RemoteKVParams
 from connector.planner import PDPlanner
 from connector.retained import RetainedStore
@@ -369,6 +371,7 @@ class PDResult(msgspec.Struct, frozen=True):
     output: int
     block_size: int
     threshold: int
+    ours_threshold: int
     points: list[PDPoint]
     published_off: dict[int, float]
     published_on: dict[int, float]
@@ -393,12 +396,16 @@ def sweep(*, output: int = 200, block_size: int = 16, threshold: int = 64, new_f
     xs = sorted(set(contexts) | set(QWEN3_32B.on) | set(QWEN3_32B.off))
     off = run_policy(m, "off", xs, **kw)
     on = run_policy(m, "on", xs, **kw)
-    ours = run_policy(m, "ours", xs, **kw)
+    # ours configures engines and planner with connector.advisor's threshold for this model and link
+    adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
+                 TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
+    ours_threshold = adv.recommended_threshold if adv.recommended_threshold is not None else threshold
+    ours = run_policy(m, "ours", xs, **dict(kw, threshold=ours_threshold))
     points = [PDPoint(L, off[L].ttft, on[L].ttft, ours[L].ttft, on[L].pulled, ours[L].local, ours[L].pulled)
               for L in xs]
     err = {L: on[L].ttft / t - 1.0 for L, t in QWEN3_32B.on.items()}
     fit_on = [c.name for c in fit_curves] if new_fraction is None else []
-    return PDResult(m, glm_model, fit_on, f, output, block_size, threshold, points,
+    return PDResult(m, glm_model, fit_on, f, output, block_size, threshold, ours_threshold, points,
                     dict(QWEN3_32B.off), dict(QWEN3_32B.on), err, glm_err)
 
 
@@ -413,7 +420,8 @@ def table(res: PDResult) -> str:
         + f" (its off fit: c0 = {g.c0 * 1e3:.0f} ms, alpha = {g.alpha * 1e6:.1f} us/token, k = 0).",
         f"Qwen3-32B calibration on its off curve: c0 = {m.c0 * 1e3:.1f} ms, alpha = {m.alpha * 1e6:.2f} us/token, "
         f"k = {m.k:.2e}; NIXL READ = {m.latency * 1e6:.0f} us + 256 KiB/token at {m.bandwidth / 1e9:.1f} GB/s; "
-        f"block size {res.block_size}, kv_recompute_threshold {res.threshold}.",
+        f"block size {res.block_size}, kv_recompute_threshold {res.threshold} (ours: {res.ours_threshold}, "
+        "from connector.advisor for this prefill cost and link).",
         "",
         "| context | off ms | on ms (model) | published on ms | error | on: pulled | ours ms | ours: local / pulled | ours / on |",
         "|---|---|---|---|---|---|---|---|---|",
