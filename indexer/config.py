@@ -191,7 +191,8 @@ class ScorerConfig(_Base, frozen=True):
 
     picker: ``weighted`` (scorer.picker.WeightedPicker, with ``weights``) or
     ``ttft`` (scorer.picker.TTFTPicker: the pod with the lowest estimated
-    time to first token, with ``kv_pressure``).
+    time to first token, with ``kv_pressure``, and the KV-overflow term
+    ``kv_stall`` x overflow, off by default, with ``decode_reserve``).
     speculative_ttl: seconds a request's blocks count as present on the pod
     ``Indexer.route`` chose, until the engine's events confirm them (0
     disables; ``score`` alone never marks anything).
@@ -205,6 +206,8 @@ class ScorerConfig(_Base, frozen=True):
     picker: str = "ttft"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
     kv_pressure: float = 10.0
+    kv_stall: float = 0.0
+    decode_reserve: float = 16.0
     speculative_ttl: float = 5.0
 
     def __post_init__(self) -> None:
@@ -212,6 +215,10 @@ class ScorerConfig(_Base, frozen=True):
             raise ValueError(f"picker must be 'weighted' or 'ttft', got {self.picker!r}")
         if not (math.isfinite(self.kv_pressure) and self.kv_pressure >= 0):
             raise ValueError(f"kv_pressure must be finite and >= 0, got {self.kv_pressure}")
+        if not (math.isfinite(self.kv_stall) and self.kv_stall >= 0):
+            raise ValueError(f"kv_stall must be finite and >= 0, got {self.kv_stall}")
+        if not (math.isfinite(self.decode_reserve) and self.decode_reserve >= 0):
+            raise ValueError(f"decode_reserve must be finite and >= 0, got {self.decode_reserve}")
         if not 0 <= self.speculative_ttl < 86_400:
             raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
         TierWeights(self.tier_weights)  # raises for negative or non-finite weights

@@ -140,7 +140,9 @@ class Indexer:
         self.tier_weights = TierWeights(sc.tier_weights)
         self.picker: WeightedPicker | TTFTPicker
         if sc.picker == "ttft":
-            self.picker = TTFTPicker(kv_pressure=sc.kv_pressure)
+            self.picker = TTFTPicker(
+                kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve
+            )
         else:
             self.picker = WeightedPicker(
                 PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)

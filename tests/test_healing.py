@@ -283,3 +283,11 @@ def test_router_adds_the_full_report_while_healing(make_rig: Callable[..., Rig],
     # discover; the last 3 (buffered) and the repeats are quiet: 3 in a row end the episode
     assert full == [True] * 10 + [False] * 4
     assert f'kvindex_router_full_reports_total{{pod="{POD}"}} 10.0' in metrics
+
+
+def test_router_command_line_and_config_healing_options() -> None:
+    from examples.router.__main__ import build_config
+
+    engine = ["--engine", "p@http://127.0.0.1:1=tcp://127.0.0.1:2"]
+    assert build_config(engine).healing is True
+    assert build_config([*engine, "--no-healing"]).healing is False
