@@ -49,6 +49,11 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
   its successor.
+- After a message of the stream's pod was dropped (:meth:`~Sequencer.dropped`),
+  the next seq is not applied directly either: the dropped messages may have
+  been a restarted engine's first batches.  With a replay endpoint the
+  stream is resynced at once (replayed from its last batch, which must still
+  be the one applied), once per drop notice.
 - A forward jump is accepted only when the engine's buffer knows the seq: a
   gap replay (asked from our last seq) that ended normally without reaching
   the message's seq means no process published it (it is dropped, counted
@@ -318,6 +323,16 @@ class Sequencer:
                 # queued after we moved to its successor (whose buffer is asked instead)
                 self._pending = b
                 return self._start_replay(out, "gap", self.last + 1)
+            if self.has_replay and self._resync_due:
+                # a message of this pod was dropped since our last batch: the dropped ones may
+                # have been a restarted engine's first batches, and this one its next, so the
+                # next seq proves nothing.  Resync now (from our last batch, which the same
+                # process still holds), not at the next idle moment, which would verify
+                # against the new process's own batch once this one were applied.
+                self._resync_due = False
+                out.append(Count("resyncs"))
+                self._pending = b
+                return self._start_replay(out, "resync", self.last + 1)
             self._apply(out, b)
             self._forget_passed(b.seq)
             self._set_complete(out, "in sequence")

@@ -90,3 +90,83 @@ def test_full_queue_drops_counts_and_resyncs_from_replay():
         pool.stop()
         sub.close(linger=0)
         engine.close()
+
+
+def test_drop_then_next_seq_of_a_restarted_engine_is_checked_before_it_is_applied():
+    """An unnoticed restart whose first batches are dropped by a full queue is still caught.
+
+    The engine restarts behind the router's back; its new process's batches
+    0..6 are dropped (the shard is busy), and the first one the queue takes
+    carries seq 7 = our last applied seq + 1, with a newer engine time, and
+    reaches the worker before the shard is ever idle.  A known drop means an
+    in-sequence seq proves nothing: the stream must be checked against the
+    engine's replay buffer before it is applied, or the old process's blocks
+    stay in the index for good (the idle resync would then verify against
+    the new process's own batch and pass).
+    """
+    import random
+
+    from tests.engine_model import ModelEngine, Paths, ReplayServer
+
+    paths = Paths.make(5, block_size=4, n_paths=8, n_blocks=5)
+    tp = TokenProcessor(block_size=4, hash_seed=3)
+    rk2ek = paths.rk_to_ek(tp, "m")
+    old = ModelEngine("pod-a", "m", 0, paths, buffer_steps=100, capacity=64)
+    other = ModelEngine("pod-a", "m", 1, paths, buffer_steps=100, capacity=64)
+    server = ReplayServer([old, other])
+    index = GatedIndex(tp, capacity=10_000)
+    entered = threading.Semaphore(0)
+    permits = threading.Semaphore(0)
+    gating = threading.Event()
+
+    def gate(pod, rank, model, ev):  # the worker waits here for one permit per BlockStored
+        if gating.is_set():
+            entered.release()
+            assert permits.acquire(timeout=20)
+
+    pool = EventPool(index, concurrency=1, queue_size=3)
+    pool.add_store_observer(gate)
+    pool.start()
+    rnd = random.Random(1)
+
+    def store(e: ModelEngine):
+        events = e._store(rnd)
+        assert events
+        return RawMessage(Source(pod="pod-a", replay=server.endpoint(e), model="m"), *e.publish(events))
+
+    def view(rank: int):
+        out = set()
+        for rk, entries in zip(rk2ek, index.lookup(list(rk2ek))):
+            out |= {(rk2ek[rk], x.tier) for x in entries if x.dp_rank == rank and not x.speculative}
+        return out
+
+    try:
+        for e in [old] * 6 + [other]:  # the old process: seq 0..5, applied
+            assert pool.submit(store(e))
+            assert pool.flush(10)
+        assert view(0) == old.view() and view(0)
+        gating.set()
+        assert pool.submit(store(old))  # seq 6: the worker takes it and waits in the gate
+        assert entered.acquire(timeout=10)
+        for _ in range(3):  # the other rank's messages fill the queue
+            assert pool.submit(store(other))
+        old.restart()  # unnoticed: no disconnect
+        assert not any(pool.submit(store(old)) for _ in range(7))  # the new process's seq 0..6: dropped
+        permits.release()  # seq 6 of the old process is applied; the worker takes the next message
+        assert entered.acquire(timeout=10)
+        assert pool.submit(store(old))  # the new process's seq 7: a free slot, queued before any idle moment
+        gating.clear()
+        for _ in range(8):
+            permits.release()
+        assert pool.flush(10)
+        got, want = view(0), old.view()
+        assert got <= want, f"holds blocks the engine does not: {sorted(got - want)}"
+        st = {s.dp_rank: s for s in pool.completeness()}[0]
+        assert st.complete and got == want, st
+        assert pool.stats().restarts >= 1
+    finally:
+        gating.clear()
+        for _ in range(20):
+            permits.release()
+        pool.stop()
+        server.close()
