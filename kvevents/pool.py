@@ -22,10 +22,14 @@ stream's next message, confirms it).
 Overflow policy: at most ``queue_size`` messages wait per shard (control items
 such as flush, stop and disconnect notices are never refused).  Beyond that a
 message is dropped, counted in ``dropped_messages``, and its pod's streams
-are marked incomplete and for resync: once the shard is idle (or at a flush),
+are marked incomplete and for resync: at the stream's next in-sequence
+message, or once the shard is idle (or at a flush), whichever comes first,
 every such stream with a replay endpoint is replayed from its last applied
-seq + 1, which makes it complete again when the replay covers the range.  (A later message of
-the stream would also reveal the gap.)  Bad input never raises out of a
+batch on, which makes it complete again when the replay covers the range.  (A
+later message of the stream would also reveal a gap; the next seq is not
+trusted after a drop because the dropped messages may have been a restarted
+engine's first batches, and the replay checks that the engine still holds our
+last batch.)  Bad input never raises out of a
 worker: it is counted by kind and logged at most once per kind per minute.
 """
 
