@@ -47,11 +47,15 @@ from kvevents.replay import ReplayClient
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
+from kvindex.index import apply_each
 from kvindex.protocol import KVIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
 
 log = logging.getLogger("kvevents.pool")
+
+# the event classes the index's batch apply dispatches on (kvindex does not import kvevents)
+_EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 DECODERS: dict[str, Callable[[bytes], EventBatch]] = {
     "vllm": decode_vllm_batch,
@@ -403,23 +407,17 @@ class _Shard:
         index = self.pool.index
         pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
-        for ev in batch.events:
-            c.events += 1
-            try:
-                if type(ev) is BlockStored:
-                    index.block_stored(
-                        pod, rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
-                        block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
-                    )
-                    c.blocks_stored += len(ev.block_hashes)
-                elif type(ev) is BlockRemoved:
-                    index.block_removed(pod, rank, ev.block_hashes, ev.tier, model=model)
-                    c.blocks_removed += len(ev.block_hashes)
-                elif type(ev) is AllBlocksCleared:
-                    index.clear(pod, rank, model=model)
-                    c.clears += 1
-            except (ValueError, TypeError) as exc:
-                self._error("apply", f"pod {pod}: event not applied: {exc}")
+        c.events += len(batch.events)
+        apply = getattr(index, "apply_events", None)
+        if apply is not None:  # the whole batch in one call (the compiled index: runs of events natively)
+            r = apply(pod, rank, batch.events, model=model, kinds=_EVENT_KINDS)
+        else:
+            r = apply_each(index, pod, rank, batch.events, model, _EVENT_KINDS)
+        c.blocks_stored += r.stored_blocks
+        c.blocks_removed += r.removed_blocks
+        c.clears += r.clears
+        for msg in r.errors:
+            self._error("apply", f"pod {pod}: event not applied: {msg}")
         if batch.skipped_events:
             self._error(
                 "unknown_event", f"pod {pod}: {batch.skipped_events} event(s) of an unknown type skipped",
