@@ -174,6 +174,27 @@ struct U64View {
     std::vector<u64> owned;
 };
 
+// An exact int that fits one internal digit (|v| < 2**30): its value without a call.
+inline bool compact_int(PyObject* o, long long& v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject*)o)) return false;
+    v = (long long)PyUnstable_Long_CompactValue((PyLongObject*)o);
+    return true;
+#else
+    Py_ssize_t size = Py_SIZE(o);
+    if (size == 0) {
+        v = 0;
+        return true;
+    }
+    if (size == 1 || size == -1) {
+        v = (long long)((PyLongObject*)o)->ob_digit[0];
+        if (size < 0) v = -v;
+        return true;
+    }
+    return false;
+#endif
+}
+
 void to_u64(nb::handle obj, U64View& out, const char* what) {
     using Arr = nb::ndarray<const u64, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
     Arr arr;
@@ -191,6 +212,18 @@ void to_u64(nb::handle obj, U64View& out, const char* what) {
     out.owned.resize((size_t)n);
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* it = items[i];
+        // fast path: an exact int of one digit (token ids, small keys): read it without a call
+        if (Py_IS_TYPE(it, &PyLong_Type)) {
+            long long small;
+            if (compact_int(it, small)) {
+                if (small < 0) {
+                    Py_DECREF(seq);
+                    throw nb::value_error((std::string(what) + ": values must be in [0, 2**64)").c_str());
+                }
+                out.owned[(size_t)i] = (u64)small;
+                continue;
+            }
+        }
         if (PyBool_Check(it) || !PyLong_Check(it)) {
             Py_DECREF(seq);
             throw nb::type_error((std::string(what) + ": integers expected").c_str());
@@ -507,7 +540,7 @@ class IndexCore {
             a_bsize("block_size"), a_tier("tier"), a_lora("lora_name"), a_extra("extra_keys");
 
         struct Ev {
-            int kind;  // 0 stored, 1 removed, 2 cleared
+            int kind = 0;  // 0 stored, 1 removed, 2 cleared
             u64 bit = 0;
             bool has_parent = false;
             u64 parent = 0;
@@ -520,7 +553,8 @@ class IndexCore {
             PyObject* ev = items[stop];
             PyObject* tp = (PyObject*)Py_TYPE(ev);
             if (tp == cleared_t.ptr()) {
-                evs.push_back(Ev{2});
+                evs.emplace_back();
+                evs.back().kind = 2;
                 continue;
             }
             bool is_store = tp == stored_t.ptr();
@@ -532,7 +566,8 @@ class IndexCore {
                 if (PyErr_Occurred()) PyErr_Clear();
                 break;
             }
-            Ev x{is_store ? 0 : 1};
+            Ev x;
+            x.kind = is_store ? 0 : 1;
             x.bit = PyLong_AsUnsignedLongLong(bit_o);
             if (x.bit == (u64)-1 && PyErr_Occurred()) {
                 PyErr_Clear();
@@ -783,6 +818,28 @@ class IndexCore {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end() || keys.n == 0) return std::nullopt;
         uint16_t ps = it->second;
+        // the common case: the pod publishes from one DP rank, which then holds its whole match
+        int32_t only = 0;
+        int nranks = 0;
+        for (auto& kv : streams_) {
+            if (stream_pod(kv.first) != ps || kv.second.empty()) continue;
+            int32_t r = stream_rank(kv.first);
+            if (nranks == 0 || r != only) {
+                if (nranks == 1) {
+                    nranks = 2;
+                    break;
+                }
+                only = r;
+                nranks = 1;
+            }
+        }
+        if (nranks == 1) {
+            const u32* bi = rk_map_.find(keys.data[0]);
+            if (bi)
+                for (const Holder& h : blocks_[*bi].hs)
+                    if (h.pod == ps && h.rank == only) return only;
+            return std::nullopt;
+        }
         std::vector<int32_t> alive, next;
         bool first = true;
         std::optional<int32_t> best;
