@@ -9,8 +9,8 @@
 // Layout (IndexCore):
 //  * blocks: a vector of Block records (request key, intrusive LRU links as indices,
 //    holders sized to the holders); freed records are reused through a free list;
-//  * level 1: open-addressing map request key -> block index (uint32);
-//  * level 2: open-addressing map engine key -> (request key, number of holders);
+//  * level 1: open-addressing set of block indices (4 bytes a slot) keyed by the block's request key;
+//  * level 2: open-addressing map engine key -> (request key, number of streams), 12-byte values;
 //  * streams: per (pod slot, DP rank), open-addressing map engine key -> request key,
 //    so that clearing a pod costs O(that pod's keys);
 //  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
@@ -364,9 +364,85 @@ struct Block {
     HolderVec hs;
 };
 
-struct EngineRef {
+#pragma pack(push, 4)
+struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
     u64 rk;
-    u64 refs;
+    u32 refs;  // streams mapping the engine key (at most the number of streams)
+};
+#pragma pack(pop)
+
+// Level 1: request key -> block index, open addressing with linear probing and backward-shift
+// deletion, storing only the block index (4 bytes a slot): a slot's key is its block's request key.
+class RkMap {
+  public:
+    explicit RkMap(const std::vector<Block>* blocks) : blocks_(blocks) {}
+    size_t size() const { return size_; }
+
+    u32* find(u64 k) {
+        if (size_ == 0) return nullptr;
+        size_t i = slot(k);
+        while (slots_[i] != NIL) {
+            if ((*blocks_)[slots_[i]].rk == k) return &slots_[i];
+            i = (i + 1) & mask_;
+        }
+        return nullptr;
+    }
+    const u32* find(u64 k) const { return const_cast<RkMap*>(this)->find(k); }
+
+    // Adds k -> idx; k must be absent and blocks[idx].rk == k.
+    void insert(u64 k, u32 idx) {
+        if ((size_ + 1) * 4 > slots_.size() * 3) grow();
+        size_t i = slot(k);
+        while (slots_[i] != NIL) i = (i + 1) & mask_;
+        slots_[i] = idx;
+        ++size_;
+    }
+
+    bool erase(u64 k) {
+        if (size_ == 0) return false;
+        size_t i = slot(k);
+        while (true) {
+            if (slots_[i] == NIL) return false;
+            if ((*blocks_)[slots_[i]].rk == k) break;
+            i = (i + 1) & mask_;
+        }
+        size_t j = i;
+        while (true) {
+            j = (j + 1) & mask_;
+            if (slots_[j] == NIL) break;
+            size_t home = slot((*blocks_)[slots_[j]].rk);
+            bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+            if (!stays) {
+                slots_[i] = slots_[j];
+                i = j;
+            }
+        }
+        slots_[i] = NIL;
+        --size_;
+        return true;
+    }
+
+    size_t bytes() const { return slots_.capacity() * sizeof(u32); }
+
+  private:
+    size_t slot(u64 k) const { return fmix64(k) & mask_; }
+    void grow() {
+        size_t ncap = slots_.empty() ? 8 : slots_.size() * 2;
+        std::vector<u32> old;
+        old.swap(slots_);
+        slots_.assign(ncap, NIL);
+        mask_ = ncap - 1;
+        for (u32 idx : old) {
+            if (idx == NIL) continue;
+            size_t i = slot((*blocks_)[idx].rk);
+            while (slots_[i] != NIL) i = (i + 1) & mask_;
+            slots_[i] = idx;
+        }
+    }
+    const std::vector<Block>* blocks_;
+    std::vector<u32> slots_;
+    size_t size_ = 0;
+    size_t mask_ = 0;
 };
 
 // A publisher stream: (pod slot, model id, DP rank).
@@ -1246,7 +1322,7 @@ class IndexCore {
             blocks_.emplace_back();
         }
         blocks_[i].rk = rk;
-        *rk_map_.emplace(rk).first = i;
+        rk_map_.insert(rk, i);
         lru_push(i);
         return i;
     }
@@ -1411,7 +1487,7 @@ class IndexCore {
     std::vector<Block> blocks_;
     std::vector<u32> free_;
     u32 lru_head_ = NIL, lru_tail_ = NIL;
-    U64Map<u32> rk_map_;
+    RkMap rk_map_{&blocks_};
     std::vector<std::pair<uint16_t, U64Map<EngineRef>>> engines_;  // level 2 per model id, first-use order
     std::unordered_map<u64, U64Map<u64>> streams_;
     std::unordered_map<std::string, uint16_t> pod_by_name_;
