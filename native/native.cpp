@@ -1180,28 +1180,29 @@ class IndexCore {
         std::vector<int> of_slot(pod_names_.size(), -1);
         for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
         std::vector<u64> cur(nc, 0);
-        std::vector<uint8_t> alive(nc, 1);
-        size_t nalive = nc;
-        for (size_t i = 0; i < n && nalive; ++i) {
+        // the candidates still matching, compact: a candidate that stops matching leaves the list
+        // and its slot maps to -1, so later blocks cost only the holders and candidates still alive
+        std::vector<size_t> live(nc);
+        for (size_t c = 0; c < nc; ++c) live[c] = c;
+        for (size_t i = 0; i < n && !live.empty(); ++i) {
             const u32* bi = rk_map_.find(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
                 int c = of_slot[h.pod];
                 if (c >= 0) cur[(size_t)c] |= h.mask;
             }
-            for (size_t c = 0; c < nc; ++c) {
-                if (!alive[c]) continue;
+            for (size_t k = 0; k < live.size();) {
+                size_t c = live[k];
                 if (cur[c]) {
                     emit(c, i, cur[c]);
                     cur[c] = 0;
+                    ++k;
                 } else {
-                    alive[c] = 0;
-                    --nalive;
+                    of_slot[cand_slot[c]] = -1;
+                    live[k] = live.back();
+                    live.pop_back();
                 }
             }
-            // holders of dead candidates may have set bits: clear them
-            for (size_t c = 0; c < nc; ++c)
-                if (!alive[c]) cur[c] = 0;
         }
     }
 
