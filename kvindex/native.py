@@ -15,7 +15,9 @@ Where the work happens:
   the per-(pod, DP rank) engine key -> request key maps that make a clear cost
   O(the pod's keys); pod slots, reused when a pod holds nothing; the chaining of
   an event's request keys (``xxh3_chain``, bit-identical to
-  :mod:`kvindex.keys`) and the storing of all its blocks, in one call; the
+  :mod:`kvindex.keys`) and the storing of all its blocks, in one call; whole
+  runs of a decoded batch's events (:meth:`apply_events`, the pool's call), in
+  one call; the
   prefix match of every candidate pod in one walk (:meth:`prefix_match`, and
   :meth:`prefix_summary` that returns what the scorer needs without a list per
   block).
