@@ -48,6 +48,7 @@ import msgspec
 from sortedcontainers import SortedList
 
 from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
+from kvindex.protocol import IndexUnavailable
 from kvindex.tiers import GPU, tier_bit, tier_names
 
 __all__ = ["ALL_MODELS", "ApplyResult", "PodEntry", "IndexStats", "KVBlockIndex", "apply_each"]
@@ -79,12 +80,18 @@ class ApplyResult(msgspec.Struct):
         clears: AllBlocksCleared events applied.
         errors: one message per event refused (ValueError / TypeError of the
             per-event call); the batch's other events are applied, in order.
+        unavailable: the message of the
+            :class:`~kvindex.protocol.IndexUnavailable` that stopped the batch
+            (a backend whose store is out of reach), else None.
+        left: events not applied because of it (that one and the rest).
     """
 
     stored_blocks: int = 0
     removed_blocks: int = 0
     clears: int = 0
     errors: list[str] = msgspec.field(default_factory=list)
+    unavailable: str | None = None
+    left: int = 0
 
 
 def apply_each(
@@ -96,7 +103,9 @@ def apply_each(
     The reference semantics of :meth:`KVBlockIndex.apply_events`, for any
     index of the :class:`kvindex.protocol.KVIndex` shape.  ``kinds`` are the
     (BlockStored, BlockRemoved, AllBlocksCleared) event classes
-    (kvevents.events); events of another type are ignored.
+    (kvevents.events); events of another type are ignored.  An
+    :class:`~kvindex.protocol.IndexUnavailable` stops the batch there (see
+    :attr:`ApplyResult.unavailable`).
     """
     stored_t, removed_t, cleared_t = kinds
     r = result if result is not None else ApplyResult()
@@ -118,6 +127,9 @@ def apply_each(
                 r.clears += 1
         except (ValueError, TypeError) as exc:
             r.errors.append(str(exc))
+        except IndexUnavailable as exc:
+            r.unavailable, r.left = str(exc), len(events) - i
+            break
     return r
 
 
@@ -135,6 +147,9 @@ class IndexStats(msgspec.Struct, frozen=True):
     dropped by the orphan bound or a clear; speculative: live speculative
     entries; speculative_confirmed / speculative_expired: their fates;
     clears: clear() calls that removed something.
+    redis_errors: calls that could not reach the Redis server (Redis backend
+    only; reads answered without prefix information, writes dropped);
+    dropped_writes: of those, write calls not applied.
     """
 
     keys: int
@@ -154,6 +169,8 @@ class IndexStats(msgspec.Struct, frozen=True):
     speculative_confirmed: int
     speculative_expired: int
     clears: int
+    redis_errors: int = 0
+    dropped_writes: int = 0
 
 
 class _PodBlock:

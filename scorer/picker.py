@@ -104,7 +104,8 @@ class PodInputs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     when :attr:`Choice.explanation` is read.  Fields as in
     :class:`PodExplanation`, except ``kv`` (= kv-usage score, 1 - usage) and
     ``queue_len`` (raw ``waiting + in_flight``; the queue score is its min-max
-    normalisation over the candidates).
+    normalisation over the candidates) and ``overflow_tokens`` (the ttft
+    picker's KV overflow, see :class:`TTFTPicker`).
     """
 
     pod: str
@@ -120,6 +121,7 @@ class PodInputs(msgspec.Struct, frozen=True, array_like=True, gc=False):
     uncached_tokens: int = 0
     queued_tokens: float = 0.0
     cost: float = 0.0
+    overflow_tokens: float = 0.0
 
 
 class Choice(msgspec.Struct, frozen=True, kw_only=True, dict=True):
@@ -211,7 +213,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True, dict=True):
                 )
             )
         head = (f"picker={self.picker} chosen={self.pod} cost={-self.score:.0f} tokens"
-                "  (cost = queued + uncached x (1 + kv_pressure x kv_use); lowest wins)")
+                "  (cost = queued + uncached x (1 + kv_pressure x kv_use) + kv_stall x overflow; lowest wins)")
         return _table(head, rows)
 
 
@@ -301,6 +303,9 @@ def _ttft_reasons(rows: Sequence[PodInputs], tie: float) -> list[str]:
         gap = r.cost - win.cost
         if gap <= tie:
             out.append("tie on cost; lost the tie-break")
+            continue
+        if r.overflow_tokens > win.overflow_tokens:
+            out.append(f"+{gap:.0f} tokens vs {win.pod}, mostly kv overflow ({r.overflow_tokens:.0f} tokens do not fit)")
             continue
         dq = r.queued_tokens - win.queued_tokens
         du = r.uncached_tokens - win.uncached_tokens
@@ -496,6 +501,30 @@ class TTFTPicker:
       evict cached prefixes other requests would reuse (and at the limit
       preempt running requests), so the work placed there costs more the
       fuller it is; a full hit writes nothing and pays nothing for it.
+    * overflow(p) = ``max(0, queued(p) + uncached(p) + running(p) x
+      decode_reserve - free(p))`` with free(p) = ``(1 - kv_usage) x
+      kv_capacity_tokens`` (when the pod's ``LoadSnapshot.kv_capacity_tokens``
+      is known; else no overflow): the KV that this request, the prefill
+      queued ahead of it and the growth of the running requests meanwhile
+      (each decoding request writes one token per step, and vLLM 0.32's
+      scheduler serves running requests first) must allocate beyond what is
+      free.  The scheduler admits waiting requests in order only while their
+      blocks can be allocated (``KVCacheManager.allocate_slots``) and a
+      decoding request that finds no free block preempts the newest running
+      one, so such a request waits, and the queue behind it too, until
+      running requests finish: a stall of decode length (tens of seconds for
+      long answers), not of prefill length.  Each overflowing token costs
+      ``kv_stall`` prefill tokens, which ranks every pod where the work fits
+      before any where it does not, and among the latter the smallest
+      overflow first.  Off by default (``kv_stall`` 0): in the fleet
+      simulator (bench/sim/README.md) it did not remove the stalls of a fleet
+      whose KV is full everywhere (it moves misses onto pods that then stall
+      in turn), so it is there to try, not a tuned default.
+
+    The full cost::
+
+        cost(p) = queued(p) + uncached(p) x (1 + kv_pressure x kv_usage(p))
+                  + kv_stall x overflow(p)
 
     All terms are in tokens, so no hardware calibration is needed: prefill
     time is close to linear in tokens on one pod type.  Ties (within
@@ -506,6 +535,11 @@ class TTFTPicker:
 
     Args:
         kv_pressure: weight of the KV-headroom term (>= 0, finite).
+        kv_stall: cost in prefill tokens of one token of KV overflow (>= 0,
+            finite; 0, the default, turns the term off; 100 makes any
+            overflow outweigh a full miss).
+        decode_reserve: tokens each running request is expected to add to
+            its KV before this request's first token (>= 0, finite).
         tie_tokens: costs closer than this count as equal (>= 0).
 
     Raises:
@@ -514,11 +548,21 @@ class TTFTPicker:
 
     name = "ttft"
 
-    def __init__(self, *, kv_pressure: float = 10.0, tie_tokens: float = 0.0) -> None:
-        for n, v in (("kv_pressure", kv_pressure), ("tie_tokens", tie_tokens)):
+    def __init__(
+        self,
+        *,
+        kv_pressure: float = 10.0,
+        kv_stall: float = 0.0,
+        decode_reserve: float = 16.0,
+        tie_tokens: float = 0.0,
+    ) -> None:
+        for n, v in (("kv_pressure", kv_pressure), ("kv_stall", kv_stall), ("decode_reserve", decode_reserve),
+                     ("tie_tokens", tie_tokens)):
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{n} must be finite and >= 0, got {v}")
         self.kv_pressure = float(kv_pressure)
+        self.kv_stall = float(kv_stall)
+        self.decode_reserve = float(decode_reserve)
         self.tie_tokens = float(tie_tokens)
         self.weights = None
 
@@ -539,8 +583,8 @@ class TTFTPicker:
         """
         pods = _unique_candidates(candidates)
         n_prompt = _prompt_tokens(prompt_tokens, prefix, pods)
-        cap = float(max(0, n_prompt - 1))
-        kvp = self.kv_pressure
+        hit_cap = float(max(0, n_prompt - 1))
+        kvp, stall, reserve = self.kv_pressure, self.kv_stall, self.decode_reserve
         pget, lget = prefix.get, loads.get
         costed = []
         for pod in pods:
@@ -557,20 +601,24 @@ class TTFTPicker:
             if ps is not None:
                 cov, matched, mb = _unit(ps.coverage), ps.matched_tokens, ps.matched_blocks
                 if mb > 0:
-                    cached = min(_finite_nonneg(ps.weighted_blocks) * (matched / mb), cap)
+                    cached = min(_finite_nonneg(ps.weighted_blocks) * (matched / mb), hit_cap)
             else:
                 cov, matched = 0.0, 0
             un = n_prompt - cached if n_prompt > cached else 0.0
-            cost = q + un * (1.0 + kvp * usage)
+            over = 0.0
+            if stall > 0.0 and ld is not None and ld.kv_capacity_tokens is not None:
+                free = (1.0 - usage) * _finite_nonneg(ld.kv_capacity_tokens)
+                over = max(0.0, q + un + _finite_nonneg(ld.running) * reserve - free)
+            cost = q + un * (1.0 + kvp * usage) + stall * over
             costed.append((cost, waiting + in_flight, pod, cov, matched, waiting, in_flight, usage, ld is not None,
-                           un, q))
+                           un, q, over))
         best_cost = min(t[0] for t in costed)
         tie = self.tie_tokens
         costed.sort(key=lambda t: (best_cost if t[0] - best_cost <= tie else t[0], t[1], t[2]))
         ranked = tuple(
             PodInputs(pod, -cost, cov, 1.0 - usage, qlen, matched, waiting, in_flight, usage, known,
-                      int(round(un)), q, cost)
-            for cost, qlen, pod, cov, matched, waiting, in_flight, usage, known, un, q in costed
+                      int(round(un)), q, cost, over)
+            for cost, qlen, pod, cov, matched, waiting, in_flight, usage, known, un, q, over in costed
         )
         win = ranked[0]
         return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, tie_tokens=tie)
