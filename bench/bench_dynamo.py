@@ -16,7 +16,7 @@ Measures:
   then Dynamo's; median, p99 and minimum per call.
 - the same at 8,192 tokens against the index size.
 - ingest, one core: ours from raw vLLM msgpack payloads (``decode_vllm_batch``
-  + ``block_stored`` per event, no pool threads), Dynamo ``apply_event`` from
+  + ``apply_events`` per batch, as the pool does, no pool threads), Dynamo ``apply_event`` from
   pre-encoded JSON; blocks per CPU second (process time, all threads).
 - score p99 while an EventPool ingests at full speed, against the idle p99 in
   the same run.
@@ -47,10 +47,12 @@ import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
 from indexer import Config, Indexer  # noqa: E402
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
 from kvevents.wire import decode_vllm_batch  # noqa: E402
 
 BS = 16
+EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 OUT = ROOT / "bench" / "out"
 
 try:
@@ -185,11 +187,7 @@ def bench_ingest(n_events: int, blocks: int, pods: int, runs: int) -> dict[str, 
         ix = make_indexer().index
         t0 = time.process_time()
         for pod, payload in ours:
-            batch = decode_vllm_batch(payload)
-            for ev in batch.events:
-                ix.block_stored(pod, 0, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
-                                block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name,
-                                model="m")
+            ix.apply_events(pod, 0, decode_vllm_batch(payload).events, model="m", kinds=EVENT_KINDS)
         res["ours"].append(n_blocks / (time.process_time() - t0))
         assert ix.stats().stored_blocks == n_blocks
         tree = RadixTree()

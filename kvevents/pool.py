@@ -51,11 +51,15 @@ from kvevents.replay import ReplayClient
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
-from kvindex.protocol import IndexUnavailable, KVIndex
+from kvindex.index import ApplyResult, apply_each
+from kvindex.protocol import KVIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
 
 log = logging.getLogger("kvevents.pool")
+
+# the event classes the index's batch apply dispatches on (kvindex does not import kvevents)
+_EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 DECODERS: dict[str, Callable[[bytes], EventBatch]] = {
     "vllm": decode_vllm_batch,
@@ -434,31 +438,31 @@ class _Shard:
         index = self.pool.index
         pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
-        for i, ev in enumerate(batch.events):
-            c.events += 1
-            try:
+        c.events += len(batch.events)
+        apply = getattr(index, "apply_events", None)
+        if self.pool.store_observers:
+            # observers see the index as it is just before each BlockStored: one event at a time
+            r = ApplyResult()
+            events = batch.events
+            for i, ev in enumerate(events):
                 if type(ev) is BlockStored:
-                    if self.pool.store_observers:
-                        self._observe(st, ev)
-                    index.block_stored(
-                        pod, rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
-                        block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
-                    )
-                    c.blocks_stored += len(ev.block_hashes)
-                elif type(ev) is BlockRemoved:
-                    index.block_removed(pod, rank, ev.block_hashes, ev.tier, model=model)
-                    c.blocks_removed += len(ev.block_hashes)
-                elif type(ev) is AllBlocksCleared:
-                    index.clear(pod, rank, model=model)
-                    c.clears += 1
-            except (ValueError, TypeError) as exc:
-                self._error("apply", f"pod {pod}: event not applied: {exc}")
-            except IndexUnavailable as exc:
-                # the rest of the batch is not applied either (order matters); the stream is rebuilt
-                left = len(batch.events) - i
-                c.events += left - 1
-                self._index_failed(st, f"pod {pod}: {left} event(s) not applied: {exc}", left)
-                break
+                    self._observe(st, ev)
+                apply_each(index, pod, rank, events[i : i + 1], model, _EVENT_KINDS, result=r)
+                if r.unavailable is not None:
+                    r.left = len(events) - i
+                    break
+        elif apply is not None:  # the whole batch in one call (the compiled index: runs of events natively)
+            r = apply(pod, rank, batch.events, model=model, kinds=_EVENT_KINDS)
+        else:
+            r = apply_each(index, pod, rank, batch.events, model, _EVENT_KINDS)
+        c.blocks_stored += r.stored_blocks
+        c.blocks_removed += r.removed_blocks
+        c.clears += r.clears
+        for msg in r.errors:
+            self._error("apply", f"pod {pod}: event not applied: {msg}")
+        if r.unavailable is not None:
+            # the rest of the batch was not applied either (order matters); the stream is rebuilt
+            self._index_failed(st, f"pod {pod}: {r.left} event(s) not applied: {r.unavailable}", r.left)
         if batch.skipped_events:
             self._error(
                 "unknown_event", f"pod {pod}: {batch.skipped_events} event(s) of an unknown type skipped",

@@ -48,9 +48,10 @@ import msgspec
 from sortedcontainers import SortedList
 
 from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
+from kvindex.protocol import IndexUnavailable
 from kvindex.tiers import GPU, tier_bit, tier_names
 
-__all__ = ["ALL_MODELS", "PodEntry", "IndexStats", "KVBlockIndex"]
+__all__ = ["ALL_MODELS", "ApplyResult", "PodEntry", "IndexStats", "KVBlockIndex", "apply_each"]
 
 _GPU_BIT = tier_bit(GPU)
 
@@ -67,6 +68,69 @@ class PodEntry(NamedTuple):
     tier: str
     dp_rank: int
     speculative: bool = False
+
+
+class ApplyResult(msgspec.Struct):
+    """What :meth:`KVBlockIndex.apply_events` did with one publisher's batch.
+
+    Fields:
+        stored_blocks: blocks of the BlockStored events applied (the sum of
+            their ``len(block_hashes)``, orphaned ones included).
+        removed_blocks: blocks named by the BlockRemoved events applied.
+        clears: AllBlocksCleared events applied.
+        errors: one message per event refused (ValueError / TypeError of the
+            per-event call); the batch's other events are applied, in order.
+        unavailable: the message of the
+            :class:`~kvindex.protocol.IndexUnavailable` that stopped the batch
+            (a backend whose store is out of reach), else None.
+        left: events not applied because of it (that one and the rest).
+    """
+
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    clears: int = 0
+    errors: list[str] = msgspec.field(default_factory=list)
+    unavailable: str | None = None
+    left: int = 0
+
+
+def apply_each(
+    index, pod: str, dp_rank: int, events, model: str | None, kinds: tuple[type, type, type], start: int = 0,
+    result: ApplyResult | None = None,
+) -> ApplyResult:
+    """Apply ``events[start:]`` one call per event (``block_stored`` / ``block_removed`` / ``clear``).
+
+    The reference semantics of :meth:`KVBlockIndex.apply_events`, for any
+    index of the :class:`kvindex.protocol.KVIndex` shape.  ``kinds`` are the
+    (BlockStored, BlockRemoved, AllBlocksCleared) event classes
+    (kvevents.events); events of another type are ignored.  An
+    :class:`~kvindex.protocol.IndexUnavailable` stops the batch there (see
+    :attr:`ApplyResult.unavailable`).
+    """
+    stored_t, removed_t, cleared_t = kinds
+    r = result if result is not None else ApplyResult()
+    for i in range(start, len(events)):
+        ev = events[i]
+        t = type(ev)
+        try:
+            if t is stored_t:
+                index.block_stored(
+                    pod, dp_rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
+                    block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
+                )
+                r.stored_blocks += len(ev.block_hashes)
+            elif t is removed_t:
+                index.block_removed(pod, dp_rank, ev.block_hashes, ev.tier, model=model)
+                r.removed_blocks += len(ev.block_hashes)
+            elif t is cleared_t:
+                index.clear(pod, dp_rank, model=model)
+                r.clears += 1
+        except (ValueError, TypeError) as exc:
+            r.errors.append(str(exc))
+        except IndexUnavailable as exc:
+            r.unavailable, r.left = str(exc), len(events) - i
+            break
+    return r
 
 
 class IndexStats(msgspec.Struct, frozen=True):
@@ -167,6 +231,29 @@ class SideTables:
     _lock: threading.RLock
     _c: dict[str, int]
     max_orphan_blocks: int
+
+    def apply_events(
+        self, pod: str, dp_rank: int, events, *, model: str | None = None, kinds: tuple[type, type, type]
+    ) -> ApplyResult:
+        """Apply one publisher's decoded batch, in order (write path: pool shard -> index).
+
+        Args:
+            pod, dp_rank, model: the publisher (as :meth:`block_stored`).
+            events: the batch's events (kvevents.events BlockStored /
+                BlockRemoved / AllBlocksCleared, as decoded from vLLM's
+                ``[ts, events, dp_rank]``).
+            kinds: the (BlockStored, BlockRemoved, AllBlocksCleared) classes
+                (this floor does not import kvevents).
+
+        Returns:
+            :class:`ApplyResult`.  An event the per-event call would refuse
+            (ValueError / TypeError) is reported in ``errors`` and skipped; the
+            index is left as that call leaves it.
+
+        The reference applies each event with its own call; the compiled
+        index applies whole runs of events in one native call.
+        """
+        return apply_each(self, pod, dp_rank, events, model, kinds)
 
     def _init_side_tables(self) -> None:
         # orphans: (model, unknown parent engine key) -> waiting stores; keyed by

@@ -15,7 +15,9 @@ Where the work happens:
   the per-(pod, DP rank) engine key -> request key maps that make a clear cost
   O(the pod's keys); pod slots, reused when a pod holds nothing; the chaining of
   an event's request keys (``xxh3_chain``, bit-identical to
-  :mod:`kvindex.keys`) and the storing of all its blocks, in one call; the
+  :mod:`kvindex.keys`) and the storing of all its blocks, in one call; whole
+  runs of a decoded batch's events (:meth:`apply_events`, the pool's call), in
+  one call; the
   prefix match of every candidate pod in one walk (:meth:`prefix_match`, and
   :meth:`prefix_summary` that returns what the scorer needs without a list per
   block).
@@ -43,9 +45,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import numpy as np
 
 from kvindex import _native
-from kvindex.index import ALL_MODELS, IndexStats, PodEntry, SideTables, _Orphan
+from kvindex.index import ALL_MODELS, ApplyResult, IndexStats, PodEntry, SideTables, _Orphan, apply_each
 from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
-from kvindex.tiers import GPU, tier_bit, tier_names
+from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
 
 __all__ = ["NativeKVBlockIndex"]
 
@@ -87,6 +89,8 @@ class NativeKVBlockIndex(SideTables):
         self._clock = clock
         self._core = _native.IndexCore(min(capacity, 2**32 - 3), self._compat)
         self._lock = threading.RLock()  # writers, orphans, speculative entries
+        # compat mode chains nothing: the core takes the block size from a K of that length
+        self._ones_k = np.ones(self.block_size, dtype=np.uint64)
         if not self._compat:
             tp = self.token_processor
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
@@ -163,6 +167,51 @@ class NativeKVBlockIndex(SideTables):
                 self._add_orphan(parent_engine_key, item)
                 return 0
             return self._attach(item, parent_rk)
+
+    def apply_events(
+        self, pod: str, dp_rank: int, events, *, model: str | None = None, kinds: tuple[type, type, type]
+    ) -> ApplyResult:
+        """Apply one publisher's decoded batch (as :meth:`kvindex.index.KVBlockIndex.apply_events`).
+
+        Runs of plain events (stores with tokens and without extra keys or
+        LoRA, removals, clears) go to the core in one call each, with no
+        Python work per block or per event; the core stops before an event it
+        does not take (extra keys, a token-less store, an unknown tier or
+        parent, a malformed event), which is applied here by the per-event
+        method, and the next run goes back to the core.  While orphans or
+        speculative entries exist (they live in Python), events are applied
+        one by one.
+        """
+        rank = _rank(dp_rank)
+        r = ApplyResult()
+        n = len(events)
+        i = 0
+        with self._lock:
+            mid = self._mid(model)
+            root = 0 if self._compat else self.token_processor._root(model, None)
+            K = self._K if not self._compat else self._ones_k
+            A = 0 if self._compat else self._A
+            stored_t, removed_t, cleared_t = kinds
+            while i < n:
+                if self._orphans or self._spec:
+                    return apply_each(self, pod, rank, events, model, kinds, i, r)
+                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n) = self._core.apply_events(
+                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
+                )
+                if st_ev and model not in self._models:
+                    self._models.add(model)
+                r.stored_blocks += st_blocks
+                r.removed_blocks += rm_blocks
+                r.clears += clears
+                c = self._c
+                c["removed_blocks"] += hits
+                c["unknown_removals"] += misses
+                c["clears"] += clears_n
+                if nxt >= n:
+                    break
+                apply_each(self, pod, rank, events[nxt : nxt + 1], model, kinds, 0, r)
+                i = nxt + 1
+        return r
 
     def block_removed(
         self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None

@@ -9,8 +9,8 @@
 // Layout (IndexCore):
 //  * blocks: a vector of Block records (request key, intrusive LRU links as indices,
 //    holders sized to the holders); freed records are reused through a free list;
-//  * level 1: open-addressing map request key -> block index (uint32);
-//  * level 2: open-addressing map engine key -> (request key, number of holders);
+//  * level 1: open-addressing set of block indices (4 bytes a slot) keyed by the block's request key;
+//  * level 2: open-addressing map engine key -> (request key, number of streams), 12-byte values;
 //  * streams: per (pod slot, DP rank), open-addressing map engine key -> request key,
 //    so that clearing a pod costs O(that pod's keys);
 //  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
@@ -174,6 +174,27 @@ struct U64View {
     std::vector<u64> owned;
 };
 
+// An exact int that fits one internal digit (|v| < 2**30): its value without a call.
+inline bool compact_int(PyObject* o, long long& v) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (!PyUnstable_Long_IsCompact((PyLongObject*)o)) return false;
+    v = (long long)PyUnstable_Long_CompactValue((PyLongObject*)o);
+    return true;
+#else
+    Py_ssize_t size = Py_SIZE(o);
+    if (size == 0) {
+        v = 0;
+        return true;
+    }
+    if (size == 1 || size == -1) {
+        v = (long long)((PyLongObject*)o)->ob_digit[0];
+        if (size < 0) v = -v;
+        return true;
+    }
+    return false;
+#endif
+}
+
 void to_u64(nb::handle obj, U64View& out, const char* what) {
     using Arr = nb::ndarray<const u64, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
     Arr arr;
@@ -191,6 +212,18 @@ void to_u64(nb::handle obj, U64View& out, const char* what) {
     out.owned.resize((size_t)n);
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* it = items[i];
+        // fast path: an exact int of one digit (token ids, small keys): read it without a call
+        if (Py_IS_TYPE(it, &PyLong_Type)) {
+            long long small;
+            if (compact_int(it, small)) {
+                if (small < 0) {
+                    Py_DECREF(seq);
+                    throw nb::value_error((std::string(what) + ": values must be in [0, 2**64)").c_str());
+                }
+                out.owned[(size_t)i] = (u64)small;
+                continue;
+            }
+        }
         if (PyBool_Check(it) || !PyLong_Check(it)) {
             Py_DECREF(seq);
             throw nb::type_error((std::string(what) + ": integers expected").c_str());
@@ -331,9 +364,85 @@ struct Block {
     HolderVec hs;
 };
 
-struct EngineRef {
+#pragma pack(push, 4)
+struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
     u64 rk;
-    u64 refs;
+    u32 refs;  // streams mapping the engine key (at most the number of streams)
+};
+#pragma pack(pop)
+
+// Level 1: request key -> block index, open addressing with linear probing and backward-shift
+// deletion, storing only the block index (4 bytes a slot): a slot's key is its block's request key.
+class RkMap {
+  public:
+    explicit RkMap(const std::vector<Block>* blocks) : blocks_(blocks) {}
+    size_t size() const { return size_; }
+
+    u32* find(u64 k) {
+        if (size_ == 0) return nullptr;
+        size_t i = slot(k);
+        while (slots_[i] != NIL) {
+            if ((*blocks_)[slots_[i]].rk == k) return &slots_[i];
+            i = (i + 1) & mask_;
+        }
+        return nullptr;
+    }
+    const u32* find(u64 k) const { return const_cast<RkMap*>(this)->find(k); }
+
+    // Adds k -> idx; k must be absent and blocks[idx].rk == k.
+    void insert(u64 k, u32 idx) {
+        if ((size_ + 1) * 4 > slots_.size() * 3) grow();
+        size_t i = slot(k);
+        while (slots_[i] != NIL) i = (i + 1) & mask_;
+        slots_[i] = idx;
+        ++size_;
+    }
+
+    bool erase(u64 k) {
+        if (size_ == 0) return false;
+        size_t i = slot(k);
+        while (true) {
+            if (slots_[i] == NIL) return false;
+            if ((*blocks_)[slots_[i]].rk == k) break;
+            i = (i + 1) & mask_;
+        }
+        size_t j = i;
+        while (true) {
+            j = (j + 1) & mask_;
+            if (slots_[j] == NIL) break;
+            size_t home = slot((*blocks_)[slots_[j]].rk);
+            bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
+            if (!stays) {
+                slots_[i] = slots_[j];
+                i = j;
+            }
+        }
+        slots_[i] = NIL;
+        --size_;
+        return true;
+    }
+
+    size_t bytes() const { return slots_.capacity() * sizeof(u32); }
+
+  private:
+    size_t slot(u64 k) const { return fmix64(k) & mask_; }
+    void grow() {
+        size_t ncap = slots_.empty() ? 8 : slots_.size() * 2;
+        std::vector<u32> old;
+        old.swap(slots_);
+        slots_.assign(ncap, NIL);
+        mask_ = ncap - 1;
+        for (u32 idx : old) {
+            if (idx == NIL) continue;
+            size_t i = slot((*blocks_)[idx].rk);
+            while (slots_[i] != NIL) i = (i + 1) & mask_;
+            slots_[i] = idx;
+        }
+    }
+    const std::vector<Block>* blocks_;
+    std::vector<u32> slots_;
+    size_t size_ = 0;
+    size_t mask_ = 0;
 };
 
 // A publisher stream: (pod slot, model id, DP rank).
@@ -445,6 +554,10 @@ class IndexCore {
     size_t clear(const std::string& pod, std::optional<int32_t> rank, int model) {
         nb::gil_scoped_release nogil;
         std::unique_lock lk(mu_);
+        return clear_locked(pod, rank, model);
+    }
+
+    size_t clear_locked(const std::string& pod, std::optional<int32_t> rank, int model) {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return 0;
         uint16_t ps = it->second;
@@ -472,6 +585,174 @@ class IndexCore {
         }
         finish_write(ps);
         return n;
+    }
+
+    // ----------------------------------------------------------- batch apply
+
+    // One decoded batch of publisher (pod, rank, model id `mid`), applied from events[start:] in
+    // one call: BlockStored (with tokens, no extra keys, no LoRA, known tier, right block size),
+    // BlockRemoved and AllBlocksCleared.  The events are read with the GIL held, then applied in
+    // order under one exclusive lock with the GIL released.  Stops before the first event it does
+    // not take (another kind, an unknown tier, extra keys, a token-less store, a malformed one) or,
+    // in xxh3_chain mode, whose parent engine key is unknown: the caller applies that one in Python
+    // and calls again from the next.  Returns (next index, stored events, stored blocks, removed
+    // events, removed blocks (sum of lengths), removals that hit, removals that missed, clears,
+    // clears that removed something).
+    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t> apply_events(
+        const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
+        nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
+        nb::handle K_o, u64 A) {
+        U64View K;
+        to_u64(K_o, K, "K");
+        size_t bs = K.n;
+        if (bs == 0) throw nb::value_error("empty K");
+        if (!PyDict_Check(tier_bits.ptr())) throw nb::type_error("tier_bits must be a dict");
+        PyObject* seq = PySequence_Fast(events_o.ptr(), "events");
+        if (!seq) throw nb::python_error();
+        nb::object seq_ref = nb::steal(seq);
+        size_t n = (size_t)PySequence_Fast_GET_SIZE(seq);
+        PyObject** items = PySequence_Fast_ITEMS(seq);
+        static nb::str a_hashes("block_hashes"), a_parent("parent_block_hash"), a_tokens("token_ids"),
+            a_bsize("block_size"), a_tier("tier"), a_lora("lora_name"), a_extra("extra_keys");
+
+        struct Ev {
+            int kind = 0;  // 0 stored, 1 removed, 2 cleared
+            u64 bit = 0;
+            bool has_parent = false;
+            u64 parent = 0;
+            U64View eks, toks;
+        };
+        std::vector<Ev> evs;
+        evs.reserve(n > start ? n - start : 0);
+        size_t stop = start;
+        for (; stop < n; ++stop) {
+            PyObject* ev = items[stop];
+            PyObject* tp = (PyObject*)Py_TYPE(ev);
+            if (tp == cleared_t.ptr()) {
+                evs.emplace_back();
+                evs.back().kind = 2;
+                continue;
+            }
+            bool is_store = tp == stored_t.ptr();
+            if (!is_store && tp != removed_t.ptr()) break;
+            nb::handle e(ev);
+            nb::object tier = nb::getattr(e, a_tier);
+            PyObject* bit_o = PyDict_GetItemWithError(tier_bits.ptr(), tier.ptr());
+            if (!bit_o) {
+                if (PyErr_Occurred()) PyErr_Clear();
+                break;
+            }
+            Ev x;
+            x.kind = is_store ? 0 : 1;
+            x.bit = PyLong_AsUnsignedLongLong(bit_o);
+            if (x.bit == (u64)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                break;
+            }
+            try {
+                to_u64(nb::getattr(e, a_hashes), x.eks, "block_hashes");
+            } catch (nb::builtin_exception&) {
+                break;
+            } catch (nb::python_error&) {
+                break;
+            }
+            if (is_store) {
+                if (!nb::getattr(e, a_lora).is_none() || !nb::getattr(e, a_extra).is_none()) break;
+                nb::object bsz = nb::getattr(e, a_bsize);
+                if (!bsz.is_none()) {
+                    long v = PyLong_AsLong(bsz.ptr());
+                    if (v == -1 && PyErr_Occurred()) {
+                        PyErr_Clear();
+                        break;
+                    }
+                    if ((size_t)v != bs) break;
+                }
+                try {
+                    to_u64(nb::getattr(e, a_tokens), x.toks, "token_ids");
+                } catch (nb::builtin_exception&) {
+                    break;
+                } catch (nb::python_error&) {
+                    break;
+                }
+                if (x.toks.n == 0 || x.toks.n != bs * x.eks.n) break;
+                nb::object par = nb::getattr(e, a_parent);
+                if (!par.is_none()) {
+                    if (!PyLong_Check(par.ptr()) || PyBool_Check(par.ptr())) break;
+                    x.parent = PyLong_AsUnsignedLongLong(par.ptr());
+                    if (x.parent == (u64)-1 && PyErr_Occurred()) {
+                        PyErr_Clear();
+                        break;
+                    }
+                    x.has_parent = true;
+                }
+            }
+            evs.push_back(std::move(x));
+        }
+
+        size_t st_ev = 0, st_blocks = 0, rm_ev = 0, rm_blocks = 0, hits = 0, misses = 0, clears = 0, clears_n = 0;
+        size_t applied = 0;
+        {
+            nb::gil_scoped_release nogil;
+            std::unique_lock lk(mu_);
+            std::vector<u64> rks;
+            for (; applied < evs.size(); ++applied) {
+                Ev& x = evs[applied];
+                if (x.kind == 2) {
+                    size_t removed = clear_locked(pod, rank, mid);
+                    ++clears;
+                    if (removed) ++clears_n;
+                    continue;
+                }
+                if (x.kind == 1) {
+                    auto it = pod_by_name_.find(pod);
+                    if (it == pod_by_name_.end()) {
+                        misses += x.eks.n;
+                    } else {
+                        uint16_t ps = it->second;
+                        u64 sid = stream_id(ps, mid, rank);
+                        for (size_t i = 0; i < x.eks.n; ++i) {
+                            u64 ek = x.eks.data[i];
+                            U64Map<u64>* stp = stream(sid);
+                            const u64* rk = stp ? stp->find(ek) : nullptr;
+                            if (rk && drop_copy(ps, rank, ek, *rk, x.bit))
+                                ++hits;
+                            else
+                                ++misses;
+                        }
+                        finish_write(ps);
+                    }
+                    ++rm_ev;
+                    rm_blocks += x.eks.n;
+                    continue;
+                }
+                size_t nb_ = x.eks.n;
+                const u64* keys = x.eks.data;
+                if (!compat_) {
+                    u64 state = root;
+                    if (x.has_parent) {
+                        std::optional<u64> prk;
+                        auto it = pod_by_name_.find(pod);
+                        if (it != pod_by_name_.end()) {
+                            prk = resolve_locked(it->second, rank, mid, x.parent);
+                        } else if (const EngineRef* v = engine_find(mid, x.parent)) {
+                            prk = v->rk;
+                        }
+                        if (!prk) break;  // an orphan: the caller keeps it
+                        state = *prk;
+                    }
+                    rks.resize(nb_);
+                    chain_into(state, x.toks.data, nb_, K.data, bs, A, nullptr, rks.data());
+                    keys = rks.data();
+                }
+                uint16_t ps = pod_slot(pod);
+                u64 sid = stream_id(ps, mid, rank);
+                for (size_t i = 0; i < nb_; ++i) put(ps, rank, mid, sid, x.eks.data[i], keys[i], x.bit);
+                finish_write(ps);
+                ++st_ev;
+                st_blocks += nb_;
+            }
+        }
+        return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n};
     }
 
     // Makes `rk` the most recently used key (if held).
@@ -613,6 +894,28 @@ class IndexCore {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end() || keys.n == 0) return std::nullopt;
         uint16_t ps = it->second;
+        // the common case: the pod publishes from one DP rank, which then holds its whole match
+        int32_t only = 0;
+        int nranks = 0;
+        for (auto& kv : streams_) {
+            if (stream_pod(kv.first) != ps || kv.second.empty()) continue;
+            int32_t r = stream_rank(kv.first);
+            if (nranks == 0 || r != only) {
+                if (nranks == 1) {
+                    nranks = 2;
+                    break;
+                }
+                only = r;
+                nranks = 1;
+            }
+        }
+        if (nranks == 1) {
+            const u32* bi = rk_map_.find(keys.data[0]);
+            if (bi)
+                for (const Holder& h : blocks_[*bi].hs)
+                    if (h.pod == ps && h.rank == only) return only;
+            return std::nullopt;
+        }
         std::vector<int32_t> alive, next;
         bool first = true;
         std::optional<int32_t> best;
@@ -877,28 +1180,29 @@ class IndexCore {
         std::vector<int> of_slot(pod_names_.size(), -1);
         for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
         std::vector<u64> cur(nc, 0);
-        std::vector<uint8_t> alive(nc, 1);
-        size_t nalive = nc;
-        for (size_t i = 0; i < n && nalive; ++i) {
+        // the candidates still matching, compact: a candidate that stops matching leaves the list
+        // and its slot maps to -1, so later blocks cost only the holders and candidates still alive
+        std::vector<size_t> live(nc);
+        for (size_t c = 0; c < nc; ++c) live[c] = c;
+        for (size_t i = 0; i < n && !live.empty(); ++i) {
             const u32* bi = rk_map_.find(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
                 int c = of_slot[h.pod];
                 if (c >= 0) cur[(size_t)c] |= h.mask;
             }
-            for (size_t c = 0; c < nc; ++c) {
-                if (!alive[c]) continue;
+            for (size_t k = 0; k < live.size();) {
+                size_t c = live[k];
                 if (cur[c]) {
                     emit(c, i, cur[c]);
                     cur[c] = 0;
+                    ++k;
                 } else {
-                    alive[c] = 0;
-                    --nalive;
+                    of_slot[cand_slot[c]] = -1;
+                    live[k] = live.back();
+                    live.pop_back();
                 }
             }
-            // holders of dead candidates may have set bits: clear them
-            for (size_t c = 0; c < nc; ++c)
-                if (!alive[c]) cur[c] = 0;
         }
     }
 
@@ -1019,7 +1323,7 @@ class IndexCore {
             blocks_.emplace_back();
         }
         blocks_[i].rk = rk;
-        *rk_map_.emplace(rk).first = i;
+        rk_map_.insert(rk, i);
         lru_push(i);
         return i;
     }
@@ -1184,7 +1488,7 @@ class IndexCore {
     std::vector<Block> blocks_;
     std::vector<u32> free_;
     u32 lru_head_ = NIL, lru_tail_ = NIL;
-    U64Map<u32> rk_map_;
+    RkMap rk_map_{&blocks_};
     std::vector<std::pair<uint16_t, U64Map<EngineRef>>> engines_;  // level 2 per model id, first-use order
     std::unordered_map<u64, U64Map<u64>> streams_;
     std::unordered_map<std::string, uint16_t> pod_by_name_;
@@ -1236,6 +1540,7 @@ NB_MODULE(_native, m) {
         .def("store_tokenless", &IndexCore::store_tokenless)
         .def("remove", &IndexCore::remove)
         .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none(), nb::arg("model"))
+        .def("apply_events", &IndexCore::apply_events)
         .def("touch", &IndexCore::touch)
         .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"))
         .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),

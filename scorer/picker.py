@@ -35,6 +35,7 @@ __all__ = [
     "LoadPicker",
     "PickerWeights",
     "PodExplanation",
+    "PodInputs",
     "RandomPicker",
     "TTFTPicker",
     "WeightedPicker",
@@ -95,7 +96,35 @@ class PodExplanation(msgspec.Struct, frozen=True, kw_only=True):
     cost: float = 0.0
 
 
-class Choice(msgspec.Struct, frozen=True, kw_only=True):
+class PodInputs(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """One candidate of a pick, compactly: what :class:`PodExplanation` is derived from.
+
+    A pick builds one per candidate (cheap: no strings); the explanation rows,
+    their normalised queue score and their reasons are derived from these only
+    when :attr:`Choice.explanation` is read.  Fields as in
+    :class:`PodExplanation`, except ``kv`` (= kv-usage score, 1 - usage) and
+    ``queue_len`` (raw ``waiting + in_flight``; the queue score is its min-max
+    normalisation over the candidates) and ``overflow_tokens`` (the ttft
+    picker's KV overflow, see :class:`TTFTPicker`).
+    """
+
+    pod: str
+    total: float
+    prefix: float
+    kv: float
+    queue_len: float
+    matched_tokens: int
+    waiting: float
+    in_flight: int
+    kv_cache_usage: float
+    load_known: bool
+    uncached_tokens: int = 0
+    queued_tokens: float = 0.0
+    cost: float = 0.0
+    overflow_tokens: float = 0.0
+
+
+class Choice(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """Outcome of a pick.
 
     Fields:
@@ -105,18 +134,36 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
             pickers work per pod and leave it None; ``indexer.Indexer.score``
             fills in the rank holding the chosen pod's longest prefix
             (``KVBlockIndex.best_dp_rank``).
-        explanation: pod -> :class:`PodExplanation` for every candidate, in
-            ranking order (the chosen pod first).
-        picker: name of the picker that decided ("weighted", "load", "random").
-        weights: the weights the total was computed with (None for the random picker).
+        rows: one :class:`PodInputs` per candidate, in ranking order (the
+            chosen pod first); the compact form :attr:`explanation` is built from.
+        picker: name of the picker that decided ("weighted", "load", "random", "ttft").
+        weights: the weights the total was computed with (None for the random
+            and ttft pickers).
+        tie_tokens: the ttft picker's tie margin in tokens (0 for the others).
+
+    :attr:`explanation` and :meth:`explain` are computed on first use (a
+    router that only needs the pod pays for neither), then kept.
     """
 
     pod: str
     score: float
-    explanation: dict[str, PodExplanation]
+    rows: tuple[PodInputs, ...] = ()
     dp_rank: int | None = None
     picker: str = "weighted"
     weights: PickerWeights | None = None
+    tie_tokens: float = 0.0
+
+    @property
+    def explanation(self) -> dict[str, PodExplanation]:
+        """pod -> :class:`PodExplanation` for every candidate, in ranking order (the chosen pod first).
+
+        Built from :attr:`rows` on first access (the reasons are formatted
+        then), then cached on the instance.
+        """
+        cached = self.__dict__.get("_explanation")
+        if cached is None:
+            cached = self.__dict__["_explanation"] = _explain_rows(self)
+        return cached
 
     def explain(self) -> str:
         """A human-readable table: one row per candidate, the chosen pod marked ``*``."""
@@ -170,6 +217,103 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
         return _table(head, rows)
 
 
+def _queue_scores(rows: Sequence[PodInputs]) -> list[float]:
+    """Queue score per row: min-max of ``queue_len`` over the rows, inverted (all equal: 1.0 each)."""
+    lo = min(r.queue_len for r in rows)
+    hi = max(r.queue_len for r in rows)
+    if hi > lo:
+        span = hi - lo
+        return [(hi - r.queue_len) / span for r in rows]
+    return [1.0] * len(rows)
+
+
+def _explain_rows(c: Choice) -> dict[str, PodExplanation]:
+    """The per-candidate explanation of ``c`` (its rows, normalised queue score and reasons)."""
+    rows = c.rows
+    if not rows:
+        return {}
+    queue = _queue_scores(rows)
+    if c.picker == TTFTPicker.name:
+        reasons = _ttft_reasons(rows, c.tie_tokens)
+    elif c.picker == RandomPicker.name:
+        reasons = ["drawn at random" if r.pod == c.pod else "not drawn" for r in rows]
+    else:
+        reasons = _weighted_reasons(rows, queue, c.weights or PickerWeights(), c.picker != LoadPicker.name)
+    return {
+        r.pod: PodExplanation(
+            total=r.total, prefix=r.prefix, kv_usage=r.kv, queue=q, matched_tokens=r.matched_tokens,
+            waiting=r.waiting, in_flight=r.in_flight, kv_cache_usage=r.kv_cache_usage, load_known=r.load_known,
+            reason=why, uncached_tokens=r.uncached_tokens, queued_tokens=r.queued_tokens, cost=r.cost,
+        )
+        for r, q, why in zip(rows, queue, reasons)
+    }
+
+
+def _weighted_reasons(rows: Sequence[PodInputs], queue: list[float], w: PickerWeights, use_prefix: bool) -> list[str]:
+    """Why each ranked row of a weighted (or load) pick won or lost."""
+    win = rows[0]
+    out: list[str] = []
+    for rank, r in enumerate(rows):
+        if rank == 0:
+            if len(rows) == 1:
+                out.append("only candidate")
+                continue
+            second = rows[1]
+            if second.total < r.total:
+                out.append(f"highest total (+{r.total - second.total:.3f} over {second.pod})")
+            elif use_prefix and r.prefix > second.prefix:
+                out.append("tie on total; higher prefix")
+            elif r.queue_len < second.queue_len:
+                out.append("tie on total; shorter queue")
+            else:
+                out.append("tie on total; first pod id")
+            continue
+        gap = win.total - r.total
+        if gap <= 0.0:
+            out.append("tie on total; lost the tie-break")
+            continue
+        parts = {
+            "prefix": w.prefix * (win.prefix - r.prefix),
+            "kv-usage": w.kv_usage * (win.kv - r.kv),
+            "queue": w.queue * (queue[0] - queue[rank]),
+        }
+        main = max(parts, key=lambda k: (parts[k], k))
+        out.append(f"-{gap:.3f} vs {win.pod}, mostly {main}")
+    return out
+
+
+def _ttft_reasons(rows: Sequence[PodInputs], tie: float) -> list[str]:
+    """Why each ranked row of a ttft pick won or lost."""
+    win = rows[0]
+    out: list[str] = []
+    for rank, r in enumerate(rows):
+        if rank == 0:
+            if len(rows) == 1:
+                out.append("only candidate")
+                continue
+            second = rows[1]
+            gap = second.cost - r.cost
+            if gap > tie:
+                out.append(f"lowest cost ({gap:.0f} tokens below {second.pod})")
+            elif r.queue_len < second.queue_len:
+                out.append("tie on cost; shorter queue")
+            else:
+                out.append("tie on cost; first pod id")
+            continue
+        gap = r.cost - win.cost
+        if gap <= tie:
+            out.append("tie on cost; lost the tie-break")
+            continue
+        if r.overflow_tokens > win.overflow_tokens:
+            out.append(f"+{gap:.0f} tokens vs {win.pod}, mostly kv overflow ({r.overflow_tokens:.0f} tokens do not fit)")
+            continue
+        dq = r.queued_tokens - win.queued_tokens
+        du = r.uncached_tokens - win.uncached_tokens
+        main = "queued prefill" if dq >= du and dq > 0 else "uncached prefix" if du > 0 else "kv headroom"
+        out.append(f"+{gap:.0f} tokens vs {win.pod}, mostly {main}")
+    return out
+
+
 def _table(head: str, rows: list[tuple[str, ...]]) -> str:
     """``head``, then ``rows`` (the first is the header) in aligned columns; the last column is not padded."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -197,64 +341,27 @@ def _unique_candidates(candidates: Sequence[str]) -> list[str]:
     return out
 
 
-class _Inputs(msgspec.Struct):
-    pod: str
-    prefix: float
-    kv: float
-    queue_len: float
-    queue: float
-    matched_tokens: int
-    waiting: float
-    in_flight: int
-    kv_cache_usage: float
-    load_known: bool
-
-    def explanation(self, total: float, reason: str) -> PodExplanation:
-        return PodExplanation(
-            total=total,
-            prefix=self.prefix,
-            kv_usage=self.kv,
-            queue=self.queue,
-            matched_tokens=self.matched_tokens,
-            waiting=self.waiting,
-            in_flight=self.in_flight,
-            kv_cache_usage=self.kv_cache_usage,
-            load_known=self.load_known,
-            reason=reason,
-        )
-
-
 def _gather(
     prefix: Mapping[str, PrefixScore], loads: Mapping[str, LoadSnapshot], pods: list[str]
-) -> list[_Inputs]:
-    """Normalised scorer outputs per candidate (queue min-max over ``pods``)."""
-    rows: list[_Inputs] = []
+) -> list[PodInputs]:
+    """One :class:`PodInputs` per candidate (total 0.0: the picker sets it)."""
+    rows: list[PodInputs] = []
+    pget, lget = prefix.get, loads.get
     for pod in pods:
-        ps = prefix.get(pod)
-        ld = loads.get(pod)
-        waiting = _finite_nonneg(ld.waiting) if ld is not None else 0.0
-        in_flight = max(0, int(ld.in_flight)) if ld is not None else 0
-        usage = _unit(ld.kv_usage) if ld is not None else 0.0
-        rows.append(
-            _Inputs(
-                pod=pod,
-                prefix=_unit(ps.coverage) if ps is not None else 0.0,
-                kv=1.0 - usage,
-                queue_len=waiting + in_flight,
-                queue=1.0,
-                matched_tokens=ps.matched_tokens if ps is not None else 0,
-                waiting=waiting,
-                in_flight=in_flight,
-                kv_cache_usage=usage,
-                load_known=ld is not None,
-            )
-        )
-    lo = min(r.queue_len for r in rows)
-    hi = max(r.queue_len for r in rows)
-    if hi > lo:
-        span = hi - lo
-        for r in rows:
-            r.queue = (hi - r.queue_len) / span
+        ps = pget(pod)
+        ld = lget(pod)
+        if ld is not None:
+            waiting = _finite_nonneg(ld.waiting)
+            in_flight = max(0, int(ld.in_flight))
+            usage = _unit(ld.kv_usage)
+        else:
+            waiting, in_flight, usage = 0.0, 0, 0.0
+        if ps is not None:
+            cov, matched = _unit(ps.coverage), ps.matched_tokens
+        else:
+            cov, matched = 0.0, 0
+        rows.append(PodInputs(pod, 0.0, cov, 1.0 - usage, waiting + in_flight, matched, waiting, in_flight, usage,
+                              ld is not None))
     return rows
 
 
@@ -300,7 +407,8 @@ class WeightedPicker:
                 cost-based :class:`TTFTPicker` uses it).
 
         Returns:
-            The Choice, with an explanation row for every candidate.
+            The Choice, with a row for every candidate (its explanation is
+            formatted when first read).
 
         Raises:
             ValueError: no candidates.
@@ -309,50 +417,17 @@ class WeightedPicker:
         pods = _unique_candidates(candidates)
         w = self.weights
         rows = _gather(prefix, loads, pods)
-        totals = {r.pod: w.prefix * r.prefix + w.kv_usage * r.kv + w.queue * r.queue for r in rows}
+        queue = _queue_scores(rows)
+        wp, wk, wq = w.prefix, w.kv_usage, w.queue
         use_prefix = self._prefix_tiebreak()
-
-        def key(r: _Inputs) -> tuple[float, float, float, str]:
-            return (-totals[r.pod], -r.prefix if use_prefix else 0.0, r.queue_len, r.pod)
-
-        ranked = sorted(rows, key=key)
+        keyed = []
+        for r, q in zip(rows, queue):
+            total = wp * r.prefix + wk * r.kv + wq * q
+            keyed.append(((-total, -r.prefix if use_prefix else 0.0, r.queue_len, r.pod), total, r))
+        keyed.sort(key=lambda t: t[0])
+        ranked = tuple(msgspec.structs.replace(r, total=total) for _k, total, r in keyed)
         win = ranked[0]
-        expl: dict[str, PodExplanation] = {}
-        for i, r in enumerate(ranked):
-            expl[r.pod] = r.explanation(totals[r.pod], self._reason(i, r, win, ranked, totals, use_prefix))
-        return Choice(pod=win.pod, score=totals[win.pod], explanation=expl, picker=self.name, weights=self.weights)
-
-    def _reason(
-        self,
-        rank: int,
-        r: _Inputs,
-        win: _Inputs,
-        ranked: list[_Inputs],
-        totals: dict[str, float],
-        use_prefix: bool,
-    ) -> str:
-        w = self.weights
-        if rank == 0:
-            if len(ranked) == 1:
-                return "only candidate"
-            second = ranked[1]
-            if totals[second.pod] < totals[r.pod]:
-                return f"highest total (+{totals[r.pod] - totals[second.pod]:.3f} over {second.pod})"
-            if use_prefix and r.prefix > second.prefix:
-                return "tie on total; higher prefix"
-            if r.queue_len < second.queue_len:
-                return "tie on total; shorter queue"
-            return "tie on total; first pod id"
-        gap = totals[win.pod] - totals[r.pod]
-        if gap <= 0.0:
-            return "tie on total; lost the tie-break"
-        parts = {
-            "prefix": w.prefix * (win.prefix - r.prefix),
-            "kv-usage": w.kv_usage * (win.kv - r.kv),
-            "queue": w.queue * (win.queue - r.queue),
-        }
-        main = max(parts, key=lambda k: (parts[k], k))
-        return f"-{gap:.3f} vs {win.pod}, mostly {main}"
+        return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, weights=w)
 
 
 class LoadPicker(WeightedPicker):
@@ -401,11 +476,8 @@ class RandomPicker:
         chosen = self._rng.choice(pods)
         rows = _gather(prefix, loads, pods)
         rows.sort(key=lambda r: (r.pod != chosen, r.pod))
-        expl = {
-            r.pod: r.explanation(1.0 if r.pod == chosen else 0.0, "drawn at random" if r.pod == chosen else "not drawn")
-            for r in rows
-        }
-        return Choice(pod=chosen, score=1.0, explanation=expl, picker=self.name)
+        ranked = tuple(msgspec.structs.replace(r, total=1.0 if r.pod == chosen else 0.0) for r in rows)
+        return Choice(pod=chosen, score=1.0, rows=ranked, picker=self.name)
 
 
 class TTFTPicker:
@@ -506,84 +578,50 @@ class TTFTPicker:
 
         ``prompt_tokens`` should be given (``indexer.Indexer.score`` does); when
         None it is estimated from the prefix scores (matched tokens / coverage).
+        One pass over the candidates with no strings formatted: the
+        explanation is derived from the returned rows when first read.
         """
         pods = _unique_candidates(candidates)
-        rows = _gather(prefix, loads, pods)
         n_prompt = _prompt_tokens(prompt_tokens, prefix, pods)
-        costs: dict[str, float] = {}
-        uncached: dict[str, int] = {}
-        queued: dict[str, float] = {}
-        overflow: dict[str, float] = {}
-        for r in rows:
-            ps = prefix.get(r.pod)
-            cached = 0.0
-            if ps is not None and ps.matched_blocks > 0:
-                block = ps.matched_tokens / ps.matched_blocks
-                cached = min(_finite_nonneg(ps.weighted_blocks) * block, float(max(0, n_prompt - 1)))
-            un = max(0.0, n_prompt - cached)
-            ld = loads.get(r.pod)
-            q = (
-                _finite_nonneg(ld.prefill_tokens)
-                if ld is not None and ld.prefill_tokens is not None
-                else r.waiting * n_prompt
-            )
-            over = 0.0
-            cap = ld.kv_capacity_tokens if ld is not None else None
-            if cap is not None and self.kv_stall > 0.0:
-                free = (1.0 - r.kv_cache_usage) * _finite_nonneg(cap)
-                growth = _finite_nonneg(ld.running) * self.decode_reserve
-                over = max(0.0, q + un + growth - free)
-            uncached[r.pod] = int(round(un))
-            queued[r.pod] = q
-            overflow[r.pod] = over
-            costs[r.pod] = q + un * (1.0 + self.kv_pressure * r.kv_cache_usage) + self.kv_stall * over
-        best_cost = min(costs.values())
-        tie = self.tie_tokens
-
-        def key(r: _Inputs) -> tuple[float, float, str]:
-            c = costs[r.pod]
-            return (best_cost if c - best_cost <= tie else c, r.queue_len, r.pod)
-
-        ranked = sorted(rows, key=key)
-        win = ranked[0]
-        expl: dict[str, PodExplanation] = {}
-        for i, r in enumerate(ranked):
-            if i == 0:
-                reason = "only candidate" if len(ranked) == 1 else self._win_reason(r, ranked[1], costs)
+        hit_cap = float(max(0, n_prompt - 1))
+        kvp, stall, reserve = self.kv_pressure, self.kv_stall, self.decode_reserve
+        pget, lget = prefix.get, loads.get
+        costed = []
+        for pod in pods:
+            ps = pget(pod)
+            ld = lget(pod)
+            if ld is not None:
+                waiting = _finite_nonneg(ld.waiting)
+                in_flight = max(0, int(ld.in_flight))
+                usage = _unit(ld.kv_usage)
+                q = _finite_nonneg(ld.prefill_tokens) if ld.prefill_tokens is not None else waiting * n_prompt
             else:
-                reason = self._lose_reason(r, win, costs, queued, uncached, overflow)
-            e = r.explanation(-costs[r.pod], reason)
-            expl[r.pod] = msgspec.structs.replace(
-                e, cost=costs[r.pod], queued_tokens=queued[r.pod], uncached_tokens=uncached[r.pod]
-            )
-        return Choice(pod=win.pod, score=-costs[win.pod], explanation=expl, picker=self.name)
-
-    def _win_reason(self, r: _Inputs, second: _Inputs, costs: dict[str, float]) -> str:
-        gap = costs[second.pod] - costs[r.pod]
-        if gap > self.tie_tokens:
-            return f"lowest cost ({gap:.0f} tokens below {second.pod})"
-        if r.queue_len < second.queue_len:
-            return "tie on cost; shorter queue"
-        return "tie on cost; first pod id"
-
-    def _lose_reason(
-        self,
-        r: _Inputs,
-        win: _Inputs,
-        costs: dict[str, float],
-        queued: dict[str, float],
-        uncached: dict[str, int],
-        overflow: dict[str, float],
-    ) -> str:
-        gap = costs[r.pod] - costs[win.pod]
-        if gap <= self.tie_tokens:
-            return "tie on cost; lost the tie-break"
-        if overflow[r.pod] > overflow[win.pod]:
-            return f"+{gap:.0f} tokens vs {win.pod}, mostly kv overflow ({overflow[r.pod]:.0f} tokens do not fit)"
-        dq = queued[r.pod] - queued[win.pod]
-        du = uncached[r.pod] - uncached[win.pod]
-        main = "queued prefill" if dq >= du and dq > 0 else "uncached prefix" if du > 0 else "kv headroom"
-        return f"+{gap:.0f} tokens vs {win.pod}, mostly {main}"
+                waiting, in_flight, usage, q = 0.0, 0, 0.0, 0.0
+            cached = 0.0
+            if ps is not None:
+                cov, matched, mb = _unit(ps.coverage), ps.matched_tokens, ps.matched_blocks
+                if mb > 0:
+                    cached = min(_finite_nonneg(ps.weighted_blocks) * (matched / mb), hit_cap)
+            else:
+                cov, matched = 0.0, 0
+            un = n_prompt - cached if n_prompt > cached else 0.0
+            over = 0.0
+            if stall > 0.0 and ld is not None and ld.kv_capacity_tokens is not None:
+                free = (1.0 - usage) * _finite_nonneg(ld.kv_capacity_tokens)
+                over = max(0.0, q + un + _finite_nonneg(ld.running) * reserve - free)
+            cost = q + un * (1.0 + kvp * usage) + stall * over
+            costed.append((cost, waiting + in_flight, pod, cov, matched, waiting, in_flight, usage, ld is not None,
+                           un, q, over))
+        best_cost = min(t[0] for t in costed)
+        tie = self.tie_tokens
+        costed.sort(key=lambda t: (best_cost if t[0] - best_cost <= tie else t[0], t[1], t[2]))
+        ranked = tuple(
+            PodInputs(pod, -cost, cov, 1.0 - usage, qlen, matched, waiting, in_flight, usage, known,
+                      int(round(un)), q, cost, over)
+            for cost, qlen, pod, cov, matched, waiting, in_flight, usage, known, un, q, over in costed
+        )
+        win = ranked[0]
+        return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, tie_tokens=tie)
 
 
 def _prompt_tokens(given: int | None, prefix: Mapping[str, PrefixScore], pods: list[str]) -> int:

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import tests.test_index as reference_cases
 import tests.test_pool_stateful as pool_stateful
 from indexer import Config, Indexer
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex import _native, make_index
 from kvindex.index import KVBlockIndex
 from kvindex.keys import TokenProcessor
@@ -86,6 +87,7 @@ def make_universe() -> Universe:
 
 
 U = make_universe()
+EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
 class SameSteps(RuleBasedStateMachine):
@@ -165,6 +167,38 @@ class SameSteps(RuleBasedStateMachine):
           tier=st.sampled_from(["decode_retained", "gpu"]), add=st.booleans())
     def held(self, pod, path, n, tier, add):
         self.both("add_held" if add else "remove_held", pod, U.request_keys(path)[:n], tier)
+
+    @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), model=st.sampled_from(MODELS),
+          steps=st.lists(st.tuples(
+              st.sampled_from(["store", "store", "store", "orphan", "extra", "tokenless", "bad_size", "new_tier",
+                               "remove", "clear"]),
+              st.integers(0, len(U.paths) - 1), st.integers(0, 5), st.integers(1, 3),
+              st.sampled_from(TIERS)), min_size=1, max_size=8))
+    def batch(self, pod, rank, model, steps):
+        """One decoded batch through apply_events: runs of plain events in one native call, the rest per event."""
+        evs = []
+        for kind, path, i, n, tier in steps:
+            j = min(i + n, U.n_blocks(path))
+            eks = tuple(U.ek(path, k) for k in range(i, j))
+            toks = tuple(U.tokens(path, i, j))
+            parent = None if i == 0 else U.ek(path, i - 1)
+            if kind == "store":
+                evs.append(BlockStored(eks, parent, toks, BS, tier))
+            elif kind == "orphan":
+                evs.append(BlockStored(eks, U.ek(path, i) ^ 0x5A5A, toks, BS, tier))
+            elif kind == "extra":
+                evs.append(BlockStored(eks, parent, toks, BS, tier, extra_keys=tuple(("x",) for _ in eks)))
+            elif kind == "tokenless":
+                evs.append(BlockStored(eks, None, (), BS, tier))
+            elif kind == "bad_size":
+                evs.append(BlockStored(eks, parent, toks[:-1], BS, tier))
+            elif kind == "new_tier":
+                evs.append(BlockStored(eks, parent, toks, BS, "nvme-test"))
+            elif kind == "remove":
+                evs.append(BlockRemoved(eks + (77,), tier))
+            else:
+                evs.append(AllBlocksCleared())
+        self.both("apply_events", pod, rank, tuple(evs), model=model, kinds=EVENT_KINDS)
 
     @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
     def tick(self, dt):

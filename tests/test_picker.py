@@ -319,3 +319,20 @@ def test_ttft_picker_worked_example_and_explain():
             TTFTPicker(kv_pressure=bad)
     with pytest.raises(ValueError):
         p.pick(prefix, loads, ["a"], prompt_tokens=-3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(pick_cases())
+def test_explanation_is_lazy_and_stable(case):
+    """The explanation is built from the choice's rows on first read, then kept; it survives a round trip."""
+    weights, prefix, loads, candidates = case
+    for picker in (WeightedPicker(weights), LoadPicker(), RandomPicker(seed=1), TTFTPicker()):
+        c = picker.pick(prefix, loads, candidates, prompt_tokens=64)
+        assert "_explanation" not in c.__dict__  # nothing formatted by the pick itself
+        assert [r.pod for r in c.rows] == list(dict.fromkeys(r.pod for r in c.rows))
+        assert c.rows[0].pod == c.pod and c.rows[0].total == c.score
+        e = c.explanation
+        assert e is c.explanation  # kept
+        assert list(e) == [r.pod for r in c.rows] and set(e) == set(candidates)
+        back = msgspec.json.decode(msgspec.json.encode(c), type=Choice)
+        assert back == c and back.explanation == e and back.explain() == c.explain()
