@@ -141,6 +141,17 @@ class EngineMachine(RuleBasedStateMachine):
             assert time.monotonic() < deadline
             self.pool.flush(10)
 
+    def await_start(self, e: ModelEngine) -> None:
+        """Wait until the pool has taken the first batch of ``e``'s process just sent.
+
+        The pool starts a stream from the engine's replay buffer, never from
+        one live message: an engine whose buffer moved past seq 0 before the
+        pool got to its first message is rightly incomplete.  That is not a
+        fault the model injects, so its streams start while the buffer
+        still holds seq 0, however slow the machine.
+        """
+        assert self.pool.flush(30)
+
     def teardown(self) -> None:
         try:
             if self.engines:
@@ -175,6 +186,8 @@ class EngineMachine(RuleBasedStateMachine):
             return
         if not self.send(e, frames):
             self.faults["drop"] += 1
+        elif frames[1] == seq_frame(0):
+            self.await_start(e)
         if how == "dup" and not self.send(e, frames):
             self.faults["drop"] += 1
         # a held message goes after the next one: reordered inside the shard queue
@@ -260,7 +273,9 @@ class EngineMachine(RuleBasedStateMachine):
     def settle_and_check(self) -> None:
         self.settle()
         states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
-        faulted = bool(self.faults)
+        # a message the pool dropped on a full queue is a loss even when no step injected one
+        # (over ZMQ a slow worker can fill the queue from the subscriber's side)
+        faulted = bool(self.faults) or self.pool.stats().dropped_messages > 0
         for e in self.engines:
             got, want = view(self.index, e), e.view()
             st_ = states[(e.pod, e.model, e.dp_rank)]
@@ -329,6 +344,21 @@ class ZmqEngineMachine(EngineMachine):
 
     def send_surely(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> None:
         self.send(e, frames)  # PUB/SUB may still lose it; settle() repeats until every stream is current
+
+    def await_start(self, e: ModelEngine) -> None:
+        """Wait until the pool has a stream of ``e`` with a batch applied, or dropped a message."""
+        key = (e.pod, e.model, e.dp_rank)
+        drops = self.pool.stats().dropped_messages
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.pool.flush(30)
+            last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}
+            if last.get(key) is not None or self.pool.stats().dropped_messages > drops:
+                return
+            if time.monotonic() > deadline:  # lost on the way (PUB/SUB drops silently): a loss like any other
+                self.faults["first_batch_lost"] += 1
+                return
+            time.sleep(0.01)  # the subscriber's thread has it, or will: poll again
 
     def settle(self) -> None:
         self.deliver_held()
