@@ -35,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -50,7 +50,11 @@ from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_
 from kvindex.index import ApplyResult, apply_each
 from kvindex.protocol import KVIndex
 
-__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
+__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog", "StoreObserver"]
+
+#: ``fn(pod, dp_rank, model, event)``: called before a BlockStored is applied (see
+#: :meth:`EventPool.add_store_observer`).
+StoreObserver = Callable[[str, int, "str | None", BlockStored], None]
 
 log = logging.getLogger("kvevents.pool")
 
@@ -436,13 +440,14 @@ class _Shard:
         c.batches += 1
         c.events += len(batch.events)
         apply = getattr(index, "apply_events", None)
-        if self.pool.store_observers:
+        observers = self.pool.observers_of(pod, rank, model)
+        if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
             r = ApplyResult()
             events = batch.events
             for i, ev in enumerate(events):
                 if type(ev) is BlockStored:
-                    self._observe(st, ev)
+                    self._observe(st, ev, observers)
                 apply_each(index, pod, rank, events[i : i + 1], model, _EVENT_KINDS, result=r)
                 if r.unavailable is not None:
                     r.left = len(events) - i
@@ -467,9 +472,9 @@ class _Shard:
         for kind in batch.bad_events:
             self._error(kind, f"pod {pod}: a malformed event ({kind}) was left out of its batch")
 
-    def _observe(self, st: _Stream, ev: BlockStored) -> None:
-        """Show a BlockStored to the pool's store observers before it is applied (never raises)."""
-        for fn in self.pool.store_observers:
+    def _observe(self, st: _Stream, ev: BlockStored, observers: Sequence[StoreObserver]) -> None:
+        """Show a BlockStored to the stream's store observers before it is applied (never raises)."""
+        for fn in observers:
             try:
                 fn(st.pod, st.rank, st.model, ev)
             except Exception as exc:
@@ -661,7 +666,8 @@ class EventPool:
         self._started = False
         #: callables ``fn(pod, dp_rank, model, event)`` shown every BlockStored just before it is
         #: applied, on the shard's thread (see :meth:`add_store_observer`)
-        self.store_observers: tuple[Callable[[str, int, str | None, BlockStored], None], ...] = ()
+        self.store_observers: tuple[StoreObserver, ...] = ()
+        self._observer_wants: dict[StoreObserver, Callable[[str, int, str | None], bool] | None] = {}
 
     # -- lifecycle
 
@@ -691,20 +697,35 @@ class EventPool:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def add_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+    def add_store_observer(
+        self, fn: StoreObserver, wants: Callable[[str, int, str | None], bool] | None = None
+    ) -> None:
         """Call ``fn(pod, dp_rank, model, event)`` for every BlockStored just before the index applies it.
 
         Runs on the shard's worker thread, so the index still shows the
         stream's state before the event (e.g. :class:`indexer.healing.HealingPolicy`
         counts the re-announced blocks it did not hold).  ``fn`` must be quick
         and thread-safe; an exception it raises is counted (``observer``) and
-        the event is applied anyway.
+        the event is applied anyway.  ``wants(pod, dp_rank, model)``, asked
+        once per batch, limits ``fn`` to the streams it answers True for
+        (None: every stream).  A batch of an observed stream is applied one
+        event at a time; the others keep the whole-batch apply.
         """
+        self._observer_wants[fn] = wants
         self.store_observers = (*self.store_observers, fn)
 
-    def remove_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+    def remove_store_observer(self, fn: StoreObserver) -> None:
         """Stop calling ``fn`` (no error when it was not added)."""
         self.store_observers = tuple(f for f in self.store_observers if f != fn)
+        self._observer_wants.pop(fn, None)
+
+    def observers_of(self, pod: str, dp_rank: int, model: str | None) -> tuple[StoreObserver, ...]:
+        """The store observers that want this stream's next batch (usually none: ``()``)."""
+        obs = self.store_observers
+        if not obs:
+            return obs
+        wants = self._observer_wants
+        return tuple(fn for fn in obs if (w := wants.get(fn)) is None or w(pod, dp_rank, model))
 
     # -- input
 
