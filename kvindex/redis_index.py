@@ -581,7 +581,7 @@ class RedisKVBlockIndex(SideTables):
         res = self._run("pods", write=False)
         if res is None:
             return frozenset()
-        return frozenset(p.decode() for p in res if p)
+        return frozenset(p.decode() for part in res for p in part)
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""

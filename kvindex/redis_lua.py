@@ -562,16 +562,15 @@ end
 return out
 """
 
-# ARGV: P -> {pods with blocks..., '', held pods..., '', pods with speculative entries...}
+# ARGV: P -> {{pods with blocks...}, {held pods...}, {pods with speculative entries...}}
+# (three lists: a pod id may be any string, the empty one included)
 _PODS = r"""
-local out = redis.call('HKEYS', PK)
-out[#out + 1] = ''
-for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do out[#out + 1] = p end
-out[#out + 1] = ''
+local held, spec = {}, {}
+for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do held[#held + 1] = p end
 for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
-  if redis.call('EXISTS', xkey(p)) == 1 then out[#out + 1] = p end
+  if redis.call('EXISTS', xkey(p)) == 1 then spec[#spec + 1] = p end
 end
-return out
+return {redis.call('HKEYS', PK), held, spec}
 """
 
 # ARGV: P -> {keys, entries, engine_keys, pods, speculative}

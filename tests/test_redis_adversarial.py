@@ -1,0 +1,85 @@
+"""The Redis backends under hostile names, server-side errors and expiry, on a real redis-server.
+
+1. Names that collide with the key layout (':', '{', '}', spaces, unicode,
+   empty strings) for pods and models, DP ranks from -2**63 to 2**64, and
+   engine keys in every vLLM hash form (0, >= 2**63, negative int64): the
+   Redis index answers every read as the reference does (hypothesis).
+2. A server that answers with an error instead of data (BUSY: another client's
+   script runs too long; OOM: maxmemory reached) is an outage: ``score()``
+   answers without prefix information, writes raise IndexUnavailable (the
+   write path then rebuilds the stream), nothing else escapes.
+3. Held entries that expired on the server (``held_ttl``) leave no pod behind
+   in ``pods()`` (which the facade takes as its candidates).
+4. ``drop_all`` deletes only its own prefix's keys, whatever characters the
+   prefix holds (SCAN patterns are globs).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, given, settings
+
+from kvindex.index import KVBlockIndex
+from kvindex.redis_index import RedisKVBlockIndex
+from tests.test_native_index import BS, U
+
+_prefixes = itertools.count()
+
+NAMES = st.sampled_from(["", ":", "a:b", "r:0:a", "{x}", "}{", "a b", "~", "-1", "ünï😀", "x" * 300]) | st.text(
+    max_size=6
+)
+INT64 = st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1, -1, -(2**63)]) | st.integers(-(2**63), 2**64 - 1)
+
+
+# -- 1. hostile names, ranks and engine keys
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "store", "offload", "remove", "clear_rank", "clear_model", "held"]),
+            NAMES, st.none() | NAMES, st.sampled_from([0, 1, -1, 2**63, -(2**63), 2**64]),
+            st.integers(0, len(U.paths) - 1), st.integers(1, 4), st.sampled_from(["gpu", "cpu"]), INT64,
+        ),
+        min_size=1, max_size=12,
+    )
+)
+def test_hostile_names_ranks_and_keys_read_as_the_reference(redis_url, steps):
+    ref = KVBlockIndex(U.tp)
+    rd = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"adv{next(_prefixes)}:")
+    pods: set[str] = set()
+    models: set[str | None] = {None}
+    for kind, pod, model, rank, path, n, tier, salt in steps:
+        pods.add(pod)
+        models.add(model)
+        eks = [U.ek(path, k) ^ salt if salt >= 0 else -((U.ek(path, k) ^ -salt) % 2**63) for k in range(n)]
+        for ix in (ref, rd):
+            if kind == "store":
+                ix.block_stored(pod, rank, eks, None, list(U.tokens(path, 0, n)), tier, block_size=BS, model=model)
+            elif kind == "offload":
+                ix.block_stored(pod, rank, eks[-1:], None, None, tier, model=model)
+            elif kind == "remove":
+                ix.block_removed(pod, rank, eks[-1:], tier, model=model)
+            elif kind == "clear_rank":
+                ix.clear(pod, rank)
+            elif kind == "clear_model":
+                ix.clear(pod, model=model)
+            else:
+                ix.add_held(pod, U.tp.request_keys(list(U.paths[path]), model=model)[:n], "decode_retained")
+        assert rd.pods() == ref.pods()
+    for p in range(len(U.paths)):
+        for model in models:
+            keys = U.tp.request_keys(list(U.paths[p]), model=model)
+            assert rd.prefix_match(keys) == ref.prefix_match(keys)
+            assert rd.prefix_match(keys, sorted(pods)) == ref.prefix_match(keys, sorted(pods))
+            assert rd.lookup(keys) == ref.lookup(keys)
+            for pod in pods:
+                assert rd.best_dp_rank(pod, keys) == ref.best_dp_rank(pod, keys)
+    for pod in pods:
+        assert rd.pod_keys(pod) == ref.pod_keys(pod)
+    assert rd.models() == ref.models()
+    a, b = ref.stats(), rd.stats()
+    assert (a.keys, a.entries, a.engine_keys, a.pods) == (b.keys, b.entries, b.engine_keys, b.pods)
