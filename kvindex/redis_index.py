@@ -74,7 +74,8 @@ Stated differences from the reference:
 - At most 31 tiers (masks are 31-bit in Lua).
 
 Outage: reads (prefix_match, lookup, best_dp_rank, pods, ...) that cannot
-reach Redis answer as an empty index (no prefix information: the picker
+reach Redis, or that it answers with an error (BUSY, OOM, READONLY, a failed
+script), answer as an empty index (no prefix information: the picker
 chooses by load alone) and count ``redis_errors``; they never raise.  Writes
 raise :class:`kvindex.protocol.IndexUnavailable` (counted in
 ``redis_errors`` and ``dropped_writes``), which the write path turns into an
@@ -165,7 +166,12 @@ class RedisKVBlockIndex(SideTables):
             raise ValueError(f"held_ttl must be in (0, 30 days), got {held_ttl}")
         import redis  # the optional dependency: only this backend needs it
 
-        self._redis_errors_types = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        # a server that answers with an error instead of data is unavailable too: BUSY (another client's
+        # script ran past busy-reply-threshold), OOM (maxmemory reached), READONLY (a replica after a
+        # failover), LOADING, or a script that failed midway (a script's writes are not rolled back)
+        self._redis_errors_types = (
+            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError
+        )
         if client is None:
             if url is None:
                 raise ValueError("the Redis index needs a url or a client")

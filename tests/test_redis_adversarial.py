@@ -17,12 +17,19 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 
 import hypothesis.strategies as st
+import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 
+from indexer import Config, Indexer
 from kvindex.index import KVBlockIndex
+from kvindex.protocol import IndexUnavailable
 from kvindex.redis_index import RedisKVBlockIndex
+from scorer.load import LoadSnapshot
 from tests.test_native_index import BS, U
 
 _prefixes = itertools.count()
@@ -83,3 +90,81 @@ def test_hostile_names_ranks_and_keys_read_as_the_reference(redis_url, steps):
     assert rd.models() == ref.models()
     a, b = ref.stats(), rd.stats()
     assert (a.keys, a.entries, a.engine_keys, a.pods) == (b.keys, b.entries, b.engine_keys, b.pods)
+
+
+# -- 2. errors in place of answers
+
+
+@pytest.fixture
+def admin(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        client.config_set("maxmemory", 0)
+        client.config_set("busy-reply-threshold", 5000)
+        client.close()
+
+
+def _loaded(redis_url):
+    ix = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"err{next(_prefixes)}:", retry_interval=0.05,
+                           socket_timeout=5.0)
+    indexer = Indexer(Config.from_dict({"token_processor_config": {"block_size": BS, "hash_seed": 11},
+                                        "scorer_config": {"picker": "weighted"}}), index=ix)
+    ix.block_stored("a", 0, [U.ek(0, k) for k in range(6)], None, list(U.tokens(0, 0, 6)), "gpu", block_size=BS)
+    return ix, indexer
+
+
+def _degraded(ix, indexer):
+    """score() and every read answer without prefix information; writes raise IndexUnavailable."""
+    loads = {"a": LoadSnapshot(waiting=4), "b": LoadSnapshot()}
+    time.sleep(0.06)  # past the retry interval: the server itself is asked
+    s = indexer.score(list(U.paths[0]), ["a", "b"], loads=loads)
+    assert all(p.matched_blocks == 0 for p in s.prefix.values()) and s.pod == "b"
+    time.sleep(0.06)
+    assert ix.prefix_match(U.request_keys(0)) == {}
+    time.sleep(0.06)
+    with pytest.raises(IndexUnavailable):
+        ix.block_stored("a", 0, [U.ek(1, 0)], None, list(U.tokens(1, 0, 1)), "gpu", block_size=BS)
+    time.sleep(0.06)
+    with pytest.raises(IndexUnavailable):
+        ix.clear("a")
+    time.sleep(0.06)
+    assert not ix.writable()
+    assert ix.stats().redis_errors >= 4
+
+
+def test_out_of_memory_server_is_an_outage(redis_url, admin):
+    ix, indexer = _loaded(redis_url)
+    admin.config_set("maxmemory", 1)
+    _degraded(ix, indexer)
+    admin.config_set("maxmemory", 0)
+    time.sleep(0.06)
+    assert ix.writable()
+    assert indexer.score(list(U.paths[0]), ["a"]).prefix["a"].matched_blocks == 6
+
+
+def test_busy_server_is_an_outage(redis_url, admin):
+    ix, indexer = _loaded(redis_url)
+    admin.config_set("busy-reply-threshold", 50)
+    started = threading.Event()
+
+    def long_script():
+        c = redis.Redis.from_url(redis_url)
+        started.set()
+        # busy for 1.5 s on the server clock: other clients get BUSY meanwhile
+        c.eval("local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] "
+               "while true do local u = redis.call('TIME') if u[1] * 1000000 + u[2] - s > 1500000 then break end "
+               "end return 1", 0)
+        c.close()
+
+    th = threading.Thread(target=long_script)
+    th.start()
+    started.wait()
+    time.sleep(0.2)
+    try:
+        _degraded(ix, indexer)
+    finally:
+        th.join()
+    time.sleep(0.06)
+    assert ix.writable()
