@@ -566,7 +566,10 @@ return out
 # (three lists: a pod id may be any string, the empty one included)
 _PODS = r"""
 local held, spec = {}, {}
-for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do held[#held + 1] = p end
+for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do
+  -- held entries expire with the key (held_ttl): the set member outlives them
+  if redis.call('EXISTS', hkey(p)) == 1 then held[#held + 1] = p else redis.call('SREM', HPODS, p) end
+end
 for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
   if redis.call('EXISTS', xkey(p)) == 1 then spec[#spec + 1] = p end
 end

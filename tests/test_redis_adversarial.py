@@ -168,3 +168,15 @@ def test_busy_server_is_an_outage(redis_url, admin):
         th.join()
     time.sleep(0.06)
     assert ix.writable()
+
+
+# -- 3. held entries expired on the server
+
+
+def test_expired_held_entries_leave_no_pod(redis_url):
+    ix = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"held{next(_prefixes)}:", held_ttl=0.1)
+    ix.add_held("d", U.request_keys(0), "decode_retained")
+    assert ix.pods() == {"d"}
+    time.sleep(0.3)
+    assert ix.prefix_match(U.request_keys(0)) == {}
+    assert ix.pods() == frozenset()
