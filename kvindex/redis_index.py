@@ -634,8 +634,9 @@ class RedisKVBlockIndex(SideTables):
         """Delete every key of this index's prefix (SCAN + UNLINK); returns how many. For tests and resets."""
         n = 0
         batch: list[bytes] = []
-        for k in self.client.scan_iter(match=self.key_prefix.replace("{", "\\{").replace("}", "\\}") + "*",
-                                       count=1000):
+        # SCAN patterns are globs: every special character of the prefix is escaped
+        pattern = "".join("\\" + c if c in "\\*?[]^-{}" else c for c in self.key_prefix) + "*"
+        for k in self.client.scan_iter(match=pattern, count=1000):
             batch.append(k)
             if len(batch) >= 1000:
                 n += self.client.unlink(*batch)

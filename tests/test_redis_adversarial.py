@@ -180,3 +180,23 @@ def test_expired_held_entries_leave_no_pod(redis_url):
     time.sleep(0.3)
     assert ix.prefix_match(U.request_keys(0)) == {}
     assert ix.pods() == frozenset()
+
+
+# -- 4. drop_all and glob characters
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(prefix=st.sampled_from(["kv?:", "kv*:", "kv[ab]:", "kv\\", "k[^x]:", "*"]) | st.text(min_size=1, max_size=5))
+def test_drop_all_deletes_only_its_prefix(redis_url, prefix):
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    others = ["kvA:x", "kva:x", "kv\\x", "kvv:x", "other", prefix[:-1] + "Z" + "x"]
+    others = [o for o in others if not o.startswith(prefix)]
+    for o in others:
+        client.set(o, 1)
+    ix = RedisKVBlockIndex(U.tp, client=client, key_prefix=prefix)
+    ix.block_stored("a", 0, [U.ek(0, 0)], None, list(U.tokens(0, 0, 1)), "gpu", block_size=BS)
+    mine = [k for k in client.keys() if k.startswith(prefix.encode())]
+    assert ix.drop_all() == len(mine)
+    assert all(client.exists(o) for o in others)
+    assert not [k for k in client.keys() if k.startswith(prefix.encode())]
