@@ -152,19 +152,34 @@ def test_busy_server_is_an_outage(redis_url, admin):
     def long_script():
         c = redis.Redis.from_url(redis_url)
         started.set()
-        # busy for 1.5 s on the server clock: other clients get BUSY meanwhile
-        c.eval("local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] "
-               "while true do local u = redis.call('TIME') if u[1] * 1000000 + u[2] - s > 1500000 then break end "
-               "end return 1", 0)
-        c.close()
+        # a read-only script busy for up to 30 s (server clock): other clients get BUSY until SCRIPT KILL
+        try:
+            c.eval("local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] "
+                   "while true do local u = redis.call('TIME') if u[1] * 1000000 + u[2] - s > 30000000 then break end "
+                   "end return 1", 0)
+        except redis.exceptions.ResponseError:
+            pass  # killed
+        finally:
+            c.close()
 
     th = threading.Thread(target=long_script)
     th.start()
     started.wait()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while True:  # until the server answers BUSY
+        try:
+            admin.ping()
+        except redis.exceptions.ResponseError:
+            break
+        assert time.monotonic() < deadline, "the long script did not start"
+        time.sleep(0.01)
     try:
         _degraded(ix, indexer)
     finally:
+        try:
+            admin.script_kill()
+        except redis.exceptions.ResponseError:
+            pass  # it had ended
         th.join()
     time.sleep(0.06)
     assert ix.writable()
