@@ -12,6 +12,9 @@
    in ``pods()`` (which the facade takes as its candidates).
 4. ``drop_all`` deletes only its own prefix's keys, whatever characters the
    prefix holds (SCAN patterns are globs).
+5. The decode-retained store in Redis during an outage answers as an empty
+   store (the P/D planner recomputes) and never raises; it works again when
+   the server is back.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from indexer import Config, Indexer
 from kvindex.index import KVBlockIndex
 from kvindex.protocol import IndexUnavailable
 from kvindex.redis_index import RedisKVBlockIndex
+from kvindex.tiers import DECODE_RETAINED, tier_bit
 from scorer.load import LoadSnapshot
 from tests.test_native_index import BS, U
 
@@ -215,3 +219,44 @@ def test_drop_all_deletes_only_its_prefix(redis_url, prefix):
     assert ix.drop_all() == len(mine)
     assert all(client.exists(o) for o in others)
     assert not [k for k in client.keys() if k.startswith(prefix.encode())]
+
+
+# -- 5. the decode-retained store during an outage
+
+
+def test_retained_store_answers_as_empty_during_an_outage():
+    from connector.planner import PDPlanner
+    from connector.redis_retained import RedisRetainedStore
+    from tests.redis_server import RedisServer
+    from tests.test_connector_retained import d_params
+
+    tokens = list(U.paths[0])
+    keys = U.request_keys(0)
+    with RedisServer() as server:
+        ix = RedisKVBlockIndex(U.tp, url=server.url, retry_interval=0.05, socket_timeout=0.5)
+        store = RedisRetainedStore(ix, url=server.url, retry_interval=0.05, socket_timeout=0.5)
+        planner = PDPlanner(ix, U.tp, store, recompute_threshold=1)
+        store.put("c1", "d0", d_params(len(tokens)), tokens, keys)
+        assert store.get("c1") is not None
+
+        server.stop()
+        for _ in range(2):  # the first calls find the server gone; the next ones fail fast
+            assert store.get("c1") is None and store.take("c1") is None and "c1" not in store
+            assert store.discard("c1") is False and store.expire() == 0
+            assert len(store) == 0 and store.conversations() == []
+            entry = store.put("c2", "d0", d_params(len(tokens)), tokens, keys)  # returned, not stored
+            assert entry.conversation_id == "c2" and entry.request_keys == tuple(keys)
+            plan = planner.plan("c1", tokens + [7] * BS, ["p0"], ["d0"])
+            assert plan.action == "recompute"
+            time.sleep(0.06)
+        assert store.stats().redis_errors >= 10
+
+        server.start()
+        deadline = time.monotonic() + 20
+        while not ix.writable():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.06)
+        store.put("c3", "d0", d_params(len(tokens)), tokens, keys)
+        assert ix.prefix_match(keys) == {"d0": [tier_bit(DECODE_RETAINED)] * len(keys)}
+        assert store.take("c3") is not None and ix.prefix_match(keys) == {}
