@@ -136,6 +136,16 @@ return ids
 """
 
 
+def _no_retry_after_timeout(redis: Any) -> Any:
+    """One immediate retry after a connection error, none after a timeout.
+
+    A call that timed out may still run on a slow server; sent again, a
+    script that is not idempotent (``add_held`` counts references,
+    ``take`` spends a use) would run twice.
+    """
+    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+
+
 class RedisRetainedStore:
     """conversation_id -> :class:`RetainedEntry` in Redis, shared by router replicas.
 
@@ -187,7 +197,7 @@ class RedisRetainedStore:
                 raise ValueError("the Redis retained store needs a url or a client")
             client = redis.Redis.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 1),
+                retry=_no_retry_after_timeout(redis),
             )
         self.retry_interval = retry_interval
         self._down_until = 0.0

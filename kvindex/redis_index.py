@@ -114,6 +114,16 @@ def _bit(tier: str) -> int:
     return b
 
 
+def _no_retry_after_timeout(redis: Any) -> Any:
+    """One immediate retry after a connection error, none after a timeout.
+
+    A call that timed out may still run on a slow server; sent again, a
+    script that is not idempotent (``add_held`` counts references,
+    ``take`` spends a use) would run twice.
+    """
+    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+
+
 def _ints(values: Iterable[Any]) -> list[int]:
     return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
 
@@ -177,7 +187,7 @@ class RedisKVBlockIndex(SideTables):
                 raise ValueError("the Redis index needs a url or a client")
             client = redis.Redis.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 1), health_check_interval=0,
+                retry=_no_retry_after_timeout(redis), health_check_interval=0,
             )
         self.client = client
         self.token_processor = token_processor or TokenProcessor()

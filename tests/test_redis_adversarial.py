@@ -15,6 +15,9 @@
 5. The decode-retained store in Redis during an outage answers as an empty
    store (the P/D planner recomputes) and never raises; it works again when
    the server is back.
+6. A slow server (a call outlives ``socket_timeout``): the client does not
+   send the call again, so a script that is not idempotent (``add_held``)
+   runs at most once.
 """
 
 from __future__ import annotations
@@ -260,3 +263,42 @@ def test_retained_store_answers_as_empty_during_an_outage():
         store.put("c3", "d0", d_params(len(tokens)), tokens, keys)
         assert ix.prefix_match(keys) == {"d0": [tier_bit(DECODE_RETAINED)] * len(keys)}
         assert store.take("c3") is not None and ix.prefix_match(keys) == {}
+
+
+# -- 6. a slow server: a call that timed out is not sent again
+
+
+def _hold_server(url: str, seconds: float) -> threading.Thread:
+    """Another client's read-only script keeps the server busy ``seconds`` (no BUSY error: below the threshold)."""
+    us = int(seconds * 1e6)
+
+    def run():
+        c = redis.Redis.from_url(url)
+        c.eval("local t = redis.call('TIME') local s = t[1] * 1000000 + t[2] while true do "
+               f"local u = redis.call('TIME') if u[1] * 1000000 + u[2] - s > {us} then break end end return 1", 0)
+        c.close()
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th
+
+
+def test_a_timed_out_call_runs_once(redis_url):
+    admin = redis.Redis.from_url(redis_url)
+    for attempt in range(3):
+        ix = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"slow{next(_prefixes)}:", socket_timeout=0.2,
+                               retry_interval=0.0)
+        ix.add_held("x", [1], "gpu")  # connected, scripts loaded
+        th = _hold_server(redis_url, 0.35)
+        time.sleep(0.03)
+        try:
+            ix.add_held("d", [5], "decode_retained")  # outlives socket_timeout: its outcome is unknown to us
+        except IndexUnavailable:
+            pass
+        th.join()
+        time.sleep(0.2)
+        # applied once at most: one remove_held ends it
+        assert admin.hget(ix.key_prefix + "hc:d", "5:" + str(tier_bit(DECODE_RETAINED))) in (None, b"1")
+        assert ix.remove_held("d", [5], "decode_retained") in (0, 1)
+        assert ix.prefix_match([5], ["d"]) == {}
+    admin.close()
