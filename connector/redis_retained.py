@@ -9,7 +9,8 @@ another router replica and still pull D's KV.  Needs the ``redis`` package
 Layout (every key starts with ``key_prefix``):
 
 - ``r:<conversation_id>``: hash ``entry`` -> the :class:`RetainedEntry`
-  (msgpack), ``uses`` -> pulls left.  Its key TTL is the entry's TTL plus
+  (msgpack; its conversation_id is the key's, any string, lone surrogates
+  included), ``uses`` -> pulls left.  Its key TTL is the entry's TTL plus
   ``grace`` seconds, so the server frees it even when no router is left.
 - ``rz``: sorted set conversation_id -> expiry (seconds, the Redis server's
   clock: one clock for every replica).  An entry past its expiry is never
@@ -57,6 +58,15 @@ __all__ = ["RedisRetainedStore", "DEFAULT_RETAINED_PREFIX"]
 
 #: Key prefix of the store when none is given.
 DEFAULT_RETAINED_PREFIX = "kvindex:{retained}:"
+
+#: Longest ttl / grace (s) the store takes (~10 years): the key TTL in ms must fit the server's range.
+MAX_TTL = 3.2e8
+
+
+def _cid(conversation_id: str) -> bytes:
+    """The key bytes of a conversation id: UTF-8, lone surrogates kept (aiohttp decodes undecodable
+    header bytes to them), so distinct ids stay distinct keys."""
+    return conversation_id.encode("utf-8", "surrogatepass")
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -182,12 +192,12 @@ class RedisRetainedStore:
         socket_timeout: float = 2.0,
         retry_interval: float = 0.5,
     ) -> None:
-        if not ttl > 0:
-            raise ValueError(f"ttl must be > 0 s, got {ttl}")
+        if not 0 < ttl <= MAX_TTL:
+            raise ValueError(f"ttl must be in (0, {MAX_TTL:g}] s, got {ttl}")
         if max_uses < 1:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
-        if not grace >= 0:
-            raise ValueError(f"grace must be >= 0 s, got {grace}")
+        if not 0 <= grace <= MAX_TTL:
+            raise ValueError(f"grace must be in [0, {MAX_TTL:g}] s, got {grace}")
         import redis
 
         self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
@@ -282,7 +292,7 @@ class RedisRetainedStore:
             except IndexUnavailable:
                 self._count_error()
         res = self._script(
-            "put", conversation_id, self._encode(entry), self.max_uses, repr(entry.expiry),
+            "put", _cid(conversation_id), self._blob(entry), self.max_uses, repr(entry.expiry),
             int((self.ttl + self.grace) * 1000),
         )
         if res is None:
@@ -305,11 +315,11 @@ class RedisRetainedStore:
         once, exactly as many as it has uses get it.
         """
         self.expire()
-        res = self._script("take", conversation_id, "1")
+        res = self._script("take", _cid(conversation_id), "1")
         if not res:
             return None
         blob, uses, ended = res
-        entry = msgspec.structs.replace(self._decode(blob), uses_left=int(uses))
+        entry = msgspec.structs.replace(self._decode(blob), conversation_id=conversation_id, uses_left=int(uses))
         if ended:
             with self._lock:
                 self._c["used_up"] += 1
@@ -318,7 +328,7 @@ class RedisRetainedStore:
 
     def discard(self, conversation_id: str) -> bool:
         """Forget the entry (e.g. the guard found nothing reusable); True if there was a live one."""
-        old = self._script("discard", conversation_id)
+        old = self._script("discard", _cid(conversation_id))
         if not old:
             return False
         with self._lock:
@@ -340,10 +350,10 @@ class RedisRetainedStore:
 
     def get(self, conversation_id: str) -> RetainedEntry | None:
         """The live entry (spends no use), or None."""
-        res = self._script("take", conversation_id, "0")
+        res = self._script("take", _cid(conversation_id), "0")
         if not res:
             return None
-        return msgspec.structs.replace(self._decode(res[0]), uses_left=int(res[1]))
+        return msgspec.structs.replace(self._decode(res[0]), conversation_id=conversation_id, uses_left=int(res[1]))
 
     def __len__(self) -> int:
         return len(self.conversations())
@@ -353,7 +363,7 @@ class RedisRetainedStore:
 
     def conversations(self) -> list[str]:
         """Live conversation ids, soonest to expire first."""
-        return [c.decode() for c in self._script("live", default=[])]
+        return [c.decode("utf-8", "surrogatepass") for c in self._script("live", default=[])]
 
     def stats(self) -> RetainedStats:
         """This process's counters and the shared number of live entries (see :class:`RetainedStats`)."""
@@ -362,6 +372,10 @@ class RedisRetainedStore:
             return RetainedStats(entries=n, **self._c)
 
     # -------------------------------------------------------------- internals
+
+    def _blob(self, entry: RetainedEntry) -> bytes:
+        # the conversation id is the key (it may hold lone surrogates, which msgpack cannot encode)
+        return self._encode(msgspec.structs.replace(entry, conversation_id=""))
 
     def _unmirror(self, entry: RetainedEntry) -> None:
         if self.index is not None and entry.request_keys:

@@ -302,3 +302,53 @@ def test_a_timed_out_call_runs_once(redis_url):
         assert ix.remove_held("d", [5], "decode_retained") in (0, 1)
         assert ix.prefix_match([5], ["d"]) == {}
     admin.close()
+
+
+# -- 7. conversation ids and TTLs the retained store must take
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cids=st.lists(
+    st.text(max_size=8) | st.sampled_from(["", "rz", "r:x", "{c}", "*", "a b", "x" * 5000])
+    # aiohttp decodes undecodable header bytes to lone surrogates (x-conversation-id: a\xff -> 'a\udcff')
+    | st.text(alphabet=st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1, max_size=3)
+    | st.builds(lambda a, b: a + b, st.text(max_size=3), st.sampled_from(["\udcff", "\ud800", "\udfff"])),
+    min_size=1, max_size=4, unique=True,
+))
+def test_retained_store_takes_any_conversation_id(redis_url, cids):
+    from connector.redis_retained import RedisRetainedStore
+    from connector.retained import RetainedStore
+    from tests.test_connector_retained import d_params
+
+    tokens = list(U.paths[0])
+    keys = U.request_keys(0)
+    ix = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"cid{next(_prefixes)}:")
+    ref = RetainedStore(KVBlockIndex(U.tp))
+    store = RedisRetainedStore(ix, url=redis_url, key_prefix=ix.key_prefix + "retained:")
+    for s in (ref, store):
+        for cid in cids:
+            assert s.put(cid, "d0", d_params(len(tokens)), tokens, keys).conversation_id == cid
+    assert sorted(store.conversations()) == sorted(ref.conversations()) == sorted(cids)
+    for cid in cids:
+        assert cid in store and store.get(cid).conversation_id == cid
+        got = store.take(cid)
+        want = ref.take(cid)
+        assert got is not None and (got.conversation_id, got.request_keys, got.tokens) == (
+            want.conversation_id, want.request_keys, want.tokens)
+        assert store.take(cid) is None and cid not in store
+    assert ix.prefix_match(keys) == {}
+
+
+def test_retained_store_ttl_bounds(redis_url):
+    from connector.redis_retained import RedisRetainedStore
+    from tests.test_connector_retained import d_params
+
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e17):
+        with pytest.raises(ValueError):
+            RedisRetainedStore(url=redis_url, ttl=bad)
+    with pytest.raises(ValueError):
+        RedisRetainedStore(url=redis_url, grace=float("inf"))
+    tokens = list(U.paths[0])
+    store = RedisRetainedStore(url=redis_url, key_prefix=f"ttl{next(_prefixes)}:", ttl=3e8)  # ~10 years
+    entry = store.put("c", "d0", d_params(len(tokens)), tokens, U.request_keys(0))
+    assert store.take("c") == entry
