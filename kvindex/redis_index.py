@@ -170,8 +170,8 @@ class RedisKVBlockIndex(SideTables):
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if max_orphan_blocks < 0:
             raise ValueError(f"max_orphan_blocks must be >= 0, got {max_orphan_blocks}")
-        if not key_prefix:
-            raise ValueError("key_prefix must not be empty")
+        if not key_prefix or "\0" in key_prefix:
+            raise ValueError("key_prefix must be non-empty and hold no NUL")
         if held_ttl is not None and not 0 < held_ttl < 86_400 * 30:
             raise ValueError(f"held_ttl must be in (0, 30 days), got {held_ttl}")
         import redis  # the optional dependency: only this backend needs it
@@ -232,11 +232,15 @@ class RedisKVBlockIndex(SideTables):
 
     # ------------------------------------------------------------- plumbing
 
-    def _run(self, name: str, *args: Any, write: bool) -> Any:
+    def _run(self, name: str, *args: Any, write: bool, model: Any = None) -> Any:
         """Run script ``name`` with ARGV = (prefix, *args).
 
+        With ``model`` (a model name whose id is among ``args``), the script
+        runs only if the server still gives that model the id this process
+        knows (after the server lost its data, ids are handed out again).
+
         Raises IndexUnavailable for a write and returns None for a read when
-        the server cannot be reached (both counted).
+        the server cannot be reached or fails (both counted).
         """
         now = time.monotonic()
         if now < self._down_until:
@@ -244,10 +248,19 @@ class RedisKVBlockIndex(SideTables):
         try:
             if now >= self._next_epoch_check:
                 self._check_epoch()
-            return self._scripts[name](args=(self.key_prefix, *args))
+            prefix = self.key_prefix
+            if model is not None and model is not ALL_MODELS:
+                mid = self._model_ids.get(model)
+                if mid is None:  # forgotten by the epoch check just now: the id in args is the old data's
+                    return self._failed(write, IndexUnavailable("the model ids changed (the server lost its data)"))
+                prefix = f"{prefix}\0{model}\0{mid}"
+            return self._scripts[name](args=(prefix, *args))
         except self._redis_errors_types as exc:
             self._down_until = time.monotonic() + self.retry_interval
             self._next_epoch_check = 0.0  # the server may come back empty
+            if "STALEMODEL" in str(exc):
+                with self._lock:
+                    self._forget_models()
             return self._failed(write, exc)
 
     def _failed(self, write: bool, exc: BaseException | None) -> None:
@@ -274,10 +287,13 @@ class RedisKVBlockIndex(SideTables):
             with self._lock:
                 # orphans and the models' ids were the old data's
                 self._drop_all_orphans()
-                self._model_ids = {None: 0}
-                self._model_names = {0: None}
-                self._models = set()
+                self._forget_models()
         self._epoch = cur
+
+    def _forget_models(self) -> None:
+        self._model_ids = {None: 0}
+        self._model_names = {0: None}
+        self._models = set()
 
     def _drop_all_orphans(self) -> None:
         for group in self._orphans.values():
@@ -329,12 +345,14 @@ class RedisKVBlockIndex(SideTables):
             self._down_until = time.monotonic() + self.retry_interval
             return self._failed(False, exc)
 
-    def _store(self, pod: str, rank: int, mid: int, bit: int, eks: Sequence[int], rks: Sequence[int]) -> int:
+    def _store(
+        self, pod: str, rank: int, mid: int, bit: int, eks: Sequence[int], rks: Sequence[int], model: str | None
+    ) -> int:
         args: list[Any] = [pod, rank, mid, bit, self.capacity, self._compat_arg]
         for ek, rk in zip(eks, rks):
             args.append(int(ek))
             args.append(int(rk))
-        stored, evictions, confirmed = self._run("store", *args, write=True)
+        stored, evictions, confirmed = self._run("store", *args, write=True, model=model)
         self._c["stored_blocks"] += stored
         self._c["evictions"] += evictions
         self._c["speculative_confirmed"] += confirmed
@@ -369,7 +387,7 @@ class RedisKVBlockIndex(SideTables):
             if token_ids is None or len(token_ids) == 0:
                 mid = self._mid(model, create=True)
                 stored, evictions, confirmed, unknown = self._run(
-                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *eks, write=True
+                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *eks, write=True, model=model
                 )
                 self._c["stored_blocks"] += stored
                 self._c["evictions"] += evictions
@@ -393,11 +411,11 @@ class RedisKVBlockIndex(SideTables):
                 self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
                 self._models.add(model)
             if self._compat:
-                return self._store(pod, rank, mid, bit, eks, eks)
+                return self._store(pod, rank, mid, bit, eks, eks, model)
             item = _Orphan(pod, rank, tuple(eks), token_ids, bit, extras, lora_name, model, set())
             if parent_engine_key is None:
                 return self._attach(item, None)
-            parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True)
+            parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True, model=model)
             if parent is None:
                 self._add_orphan(int(parent_engine_key), item)
                 return 0
@@ -416,7 +434,8 @@ class RedisKVBlockIndex(SideTables):
             if keep:
                 mid = self._mid(it.model, create=True)
                 attached += self._store(
-                    it.pod, it.dp_rank, mid, it.tier, [it.engine_keys[i] for i in keep], [rks[i] for i in keep]
+                    it.pod, it.dp_rank, mid, it.tier, [it.engine_keys[i] for i in keep], [rks[i] for i in keep],
+                    it.model,
                 )
             if self._orphans:
                 for ek, rk in zip(it.engine_keys, rks):
@@ -442,7 +461,10 @@ class RedisKVBlockIndex(SideTables):
             mid = self._model_ids.get(model)
             if mid is None:
                 mid = self._mid(model, create=True)
-            hits = self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True) if keys else []
+            hits = (
+                self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True, model=model)
+                if keys else []
+            )
             removed = 0
             by_ek = self._orphan_by_ek
             for ek, hit in zip(keys, hits):
@@ -473,7 +495,8 @@ class RedisKVBlockIndex(SideTables):
                 mid = self._mid(model, create=False)
                 mid_arg = "-" if mid is None else str(mid)
             n = int(self._run(
-                "clear", pod, "" if dp_rank is None else int(dp_rank), mid_arg, self._compat_arg, write=True
+                "clear", pod, "" if dp_rank is None else int(dp_rank), mid_arg, self._compat_arg, write=True,
+                model=None if every or mid_arg == "-" else model,
             ))
             self._drop_orphans_of(pod, dp_rank, model)
             if n:

@@ -18,6 +18,10 @@
 6. A slow server (a call outlives ``socket_timeout``): the client does not
    send the call again, so a script that is not idempotent (``add_held``)
    runs at most once.
+7. Any conversation id (lone surrogates included) and the ttl bounds of the
+   retained store.
+8. A server restarted empty hands model ids out again: a write with an id
+   this process learned before never lands under another model's id.
 """
 
 from __future__ import annotations
@@ -352,3 +356,37 @@ def test_retained_store_ttl_bounds(redis_url):
     store = RedisRetainedStore(url=redis_url, key_prefix=f"ttl{next(_prefixes)}:", ttl=3e8)  # ~10 years
     entry = store.put("c", "d0", d_params(len(tokens)), tokens, U.request_keys(0))
     assert store.take("c") == entry
+
+
+# -- 8. model ids learned before the server lost its data
+
+
+def test_model_ids_from_before_a_restart_are_never_written():
+    from tests.redis_server import RedisServer
+
+    def store(ix, pod, path, model):
+        ix.block_stored(pod, 0, [U.ek(path, 0)], None, list(U.tokens(path, 0, 1)), "gpu", block_size=BS, model=model)
+
+    ref = KVBlockIndex(U.tp)
+    store(ref, "p", 1, "B")
+    with RedisServer() as server:
+        a = RedisKVBlockIndex(U.tp, url=server.url, retry_interval=0.05)
+        for m in ("A", "B"):
+            store(a, "p", 0, m)  # a learns ids A=1, B=2
+        server.stop()
+        server.start()  # empty
+        try:
+            store(a, "p", 1, "B")  # refused (the write path rebuilds the stream) or written under B's new id
+        except IndexUnavailable:
+            pass
+        c = RedisKVBlockIndex(U.tp, url=server.url)
+        store(c, "q", 2, "X")
+        store(c, "q", 3, "Y")  # ids 1 and 2 again, on the new server
+        assert c.request_key_of(U.ek(1, 0), "Y") is None  # B's block never lands under Y's id
+        assert c.clear("p", model="Y") == 0
+        time.sleep(0.06)
+        assert a.writable()
+        store(a, "p", 1, "B")
+        want = ref.request_key_of(U.ek(1, 0), "B")
+        assert a.request_key_of(U.ek(1, 0), "B") == c.request_key_of(U.ek(1, 0), "B") == want
+        assert c.pod_keys("p") == {want}
