@@ -7,8 +7,12 @@ import each other.
 """
 
 from indexer.config import Config, load_config
+from indexer.healing import HealingPolicy, HealingState, HealingStats, with_full_report
 from indexer.indexer import Indexer, IndexerStats, Score
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 
-__all__ = ["Config", "EngineEndpoint", "Indexer", "IndexerStats", "LoadSnapshot", "Score", "load_config"]
+__all__ = [
+    "Config", "EngineEndpoint", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
+    "LoadSnapshot", "Score", "load_config", "with_full_report",
+]
