@@ -87,7 +87,12 @@ class RetainedEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RetainedStats(msgspec.Struct, frozen=True):
-    """Counters of a :class:`RetainedStore`: live entries and each way entries ended."""
+    """Counters of a :class:`RetainedStore`: live entries and each way entries ended.
+
+    ``redis_errors``: calls of a shared store (:mod:`connector.redis_retained`)
+    that found its server unreachable or failing and answered as an empty
+    store (always 0 in memory).
+    """
 
     entries: int
     stored: int
@@ -96,6 +101,7 @@ class RetainedStats(msgspec.Struct, frozen=True):
     expired: int
     evicted: int
     discarded: int
+    redis_errors: int = 0
 
 
 class RetainedStore:
