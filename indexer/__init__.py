@@ -8,7 +8,8 @@ import each other.
 
 from indexer.config import Config, load_config
 from indexer.indexer import Indexer, IndexerStats, Score
+from indexer.metrics import KVIndexMetrics
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 
-__all__ = ["Config", "EngineEndpoint", "Indexer", "IndexerStats", "LoadSnapshot", "Score", "load_config"]
+__all__ = ["Config", "EngineEndpoint", "Indexer", "IndexerStats", "KVIndexMetrics", "LoadSnapshot", "Score", "load_config"]

@@ -49,7 +49,7 @@ from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
 from kvindex.protocol import KVIndex
 
-__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
+__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "StreamCounters", "EventPool", "RateLimitedLog"]
 
 log = logging.getLogger("kvevents.pool")
 
@@ -168,7 +168,10 @@ class RateLimitedLog:
 class _Stream:
     """One publisher stream (pod, model, DP rank): its sequencer plus what the shard needs to act."""
 
-    __slots__ = ("pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why")
+    __slots__ = (
+        "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why",
+        "messages", "batches", "events", "clears", "stored", "removed",
+    )
 
     def __init__(self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str) -> None:
         self.pod = pod
@@ -179,6 +182,37 @@ class _Stream:
         self.seq = Sequencer(replay_endpoint is not None)
         self.complete_since: float | None = None  # monotonic time it last became complete
         self.why = "no batch yet"
+        # ingest counters of this stream (read by EventPool.stream_counters)
+        self.messages = 0
+        self.batches = 0
+        self.events = 0
+        self.clears = 0
+        self.stored: dict[str, int] = {}  # tier -> blocks stored
+        self.removed: dict[str, int] = {}  # tier -> blocks removed
+
+
+class StreamCounters(NamedTuple):
+    """Ingest counters of one publisher stream (a snapshot; see :meth:`EventPool.stream_counters`).
+
+    pod, model, dp_rank: the publisher (model None when its topic names none).
+    messages: live messages that reached the stream's sequencer (decodable,
+        with a pod); batches: batches applied (live and replayed); events:
+        events in them; clears: AllBlocksCleared events applied;
+    blocks_stored / blocks_removed: tier -> blocks the stream's BlockStored /
+        BlockRemoved events carried (each block once per event, whether or
+        not the index changed).  Counters start at 0 when the stream is first
+        seen and go away with the pod (:meth:`EventPool.forget_pod`).
+    """
+
+    pod: str
+    model: str | None
+    dp_rank: int
+    messages: int
+    batches: int
+    events: int
+    clears: int
+    blocks_stored: dict[str, int]
+    blocks_removed: dict[str, int]
 
 
 class StreamState(NamedTuple):
@@ -360,6 +394,7 @@ class _Shard:
             return
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
         st = self._stream(pod, model, rank, msg.source)
+        st.messages += 1
         self._run(st, st.seq.live(_as_batch(seq, batch)))
 
     def _decode(self, engine: str, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
@@ -403,21 +438,28 @@ class _Shard:
         index = self.pool.index
         pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
+        st.batches += 1
         for ev in batch.events:
             c.events += 1
+            st.events += 1
             try:
                 if type(ev) is BlockStored:
                     index.block_stored(
                         pod, rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
                         block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
                     )
-                    c.blocks_stored += len(ev.block_hashes)
+                    n = len(ev.block_hashes)
+                    c.blocks_stored += n
+                    st.stored[ev.tier] = st.stored.get(ev.tier, 0) + n
                 elif type(ev) is BlockRemoved:
                     index.block_removed(pod, rank, ev.block_hashes, ev.tier, model=model)
-                    c.blocks_removed += len(ev.block_hashes)
+                    n = len(ev.block_hashes)
+                    c.blocks_removed += n
+                    st.removed[ev.tier] = st.removed.get(ev.tier, 0) + n
                 elif type(ev) is AllBlocksCleared:
                     index.clear(pod, rank, model=model)
                     c.clears += 1
+                    st.clears += 1
             except (ValueError, TypeError) as exc:
                 self._error("apply", f"pod {pod}: event not applied: {exc}")
         if batch.skipped_events:
@@ -574,6 +616,7 @@ class EventPool:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.index = index
         self.queue_size = queue_size
+        self.concurrency = concurrency
         if not 0 < replay_timeout < 3600:
             raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {replay_timeout}")
         if replay_max_batches < 1:
@@ -747,6 +790,22 @@ class EventPool:
         for s in self._shards:
             for st in list(s.streams.values()):
                 yield st.pod, st.rank, st.seq.last
+
+    def stream_counters(self) -> list[StreamCounters]:
+        """Ingest counters per publisher stream (pod, model, DP rank), sorted (a snapshot).
+
+        Reads plain integers the shard workers update (no lock on the write
+        path): each value is one the worker wrote, possibly a batch behind.
+        """
+        out: list[StreamCounters] = []
+        for s in self._shards:
+            for st in list(s.streams.values()):
+                out.append(StreamCounters(
+                    st.pod, st.model, st.rank, st.messages, st.batches, st.events, st.clears,
+                    dict(st.stored), dict(st.removed),
+                ))
+        out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
+        return out
 
     def completeness(self, pod: str | None = None) -> list[StreamState]:
         """Whether the index is known to hold exactly each publisher stream's blocks (a snapshot).
