@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak clean
+.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak fuzz soak-churn overload clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ bench-real: $(STAMP)
 # The write path at volume with random faults (a few hundred thousand messages, seeded).
 soak: $(STAMP)
 	$(PY) bench/soak_writepath.py
+
+# 100,000 bad messages through the real subscriber and pool over real ZMQ (seeded; bench/out/fuzz_writepath.json).
+fuzz: $(STAMP)
+	$(PY) bench/fuzz_writepath.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis
