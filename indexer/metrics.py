@@ -77,6 +77,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_event_replay_requests": ("counter", (), "Replays asked from engines' replay endpoints."),
     "kvindex_event_replayed_batches": ("counter", (), "Batches the replays returned."),
     "kvindex_event_replay_failures": ("counter", (), "Replays or restart checks that timed out or failed."),
+    "kvindex_event_replay_holes": (
+        "counter", (), "Replays with a batch missing inside them (a reply lost on the way), asked again."),
     "kvindex_event_duplicates": ("counter", (), "Batches skipped as already applied."),
     "kvindex_event_stale": ("counter", (), "Live messages skipped because a replay had moved past them."),
     "kvindex_event_unconfirmed": ("counter", (), "Messages skipped because the engine did not confirm their seq."),
@@ -216,6 +218,7 @@ class KVIndexMetrics(Collector):
             ("kvindex_event_replay_requests", ev.replay_requests),
             ("kvindex_event_replayed_batches", ev.replayed_batches),
             ("kvindex_event_replay_failures", ev.replay_failures),
+            ("kvindex_event_replay_holes", ev.replay_holes),
             ("kvindex_event_duplicates", ev.duplicates),
             ("kvindex_event_stale", ev.stale),
             ("kvindex_event_unconfirmed", ev.unconfirmed),

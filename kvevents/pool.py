@@ -112,7 +112,9 @@ class PoolStats(msgspec.Struct, frozen=True):
     unconfirmed: messages skipped because the engine did not confirm their
     seq (a forward jump its buffer does not know, a backward seq its replay
     buffer contradicts: hostile or corrupt publishers); replay_failures:
-    replays or restart checks that timed out or failed; incomplete_streams:
+    replays or restart checks that timed out or failed; replay_holes: replays
+    with a seq missing inside them (a reply lost on the way), asked again from
+    the hole; incomplete_streams:
     streams whose completeness flag is false now (see
     :meth:`EventPool.completeness`).
     """
@@ -139,6 +141,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     unconfirmed: int = 0
     replay_failures: int = 0
     incomplete_streams: int = 0
+    replay_holes: int = 0
 
 
 class RateLimitedLog:
@@ -270,7 +273,8 @@ class _Counters:
     __slots__ = (
         "messages", "batches", "events", "blocks_stored", "blocks_removed", "clears",
         "decode_errors", "gaps", "gaps_unrecovered", "replay_requests", "replayed_batches",
-        "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "errors_by_kind",
+        "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "replay_holes",
+        "errors_by_kind",
     )
 
     def __init__(self) -> None:
@@ -495,6 +499,8 @@ class _Shard:
         try:
             for seq, batch in self._replay_items(st, start):
                 self._run(st, st.seq.replayed(None if batch is None else _as_batch(seq, batch), seq))
+                if st.seq.hole_pending:
+                    break  # a reply was lost: stop reading (the socket is discarded) and ask again at once
             ok = True
         except TimeoutError:
             self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")

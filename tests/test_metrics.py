@@ -116,6 +116,7 @@ def test_exposition_equals_stats_after_real_traffic(backend: str) -> None:
             ("kvindex_event_replay_requests_total", ev.replay_requests),
             ("kvindex_event_replayed_batches_total", ev.replayed_batches),
             ("kvindex_event_replay_failures_total", ev.replay_failures),
+            ("kvindex_event_replay_holes_total", ev.replay_holes),
             ("kvindex_event_duplicates_total", ev.duplicates),
             ("kvindex_event_stale_total", ev.stale),
             ("kvindex_event_unconfirmed_total", ev.unconfirmed),
