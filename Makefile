@@ -70,5 +70,14 @@ soak: $(STAMP)
 fuzz: $(STAMP)
 	$(PY) bench/fuzz_writepath.py
 
+# One hour of a busy 16-pod fleet's KV events (seed-002 rates) as fast as the pool goes; RSS and index size as a PNG.
+soak-churn: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/soak_churn.py
+
+# Bursts faster than the pool, and a replay burst beyond the replay sockets' high-water marks.
+overload: $(STAMP)
+	$(PY) bench/overload.py
+
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis
