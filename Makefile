@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"

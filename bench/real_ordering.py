@@ -89,13 +89,21 @@ def _metrics(fleet: VllmFleet) -> dict[str, tuple[float, float]]:
 
 
 def _reset(fleet: VllmFleet, ix: Indexer) -> None:
-    """Empty both prefix caches and wait until their AllBlocksCleared events are applied."""
+    """Empty both prefix caches and wait until their AllBlocksCleared events are applied.
+
+    vLLM 0.32 publishes AllBlocksCleared with the engine's next scheduler step,
+    so each engine also gets a one-token request (shorter than a block: it
+    stores nothing).  Raises RuntimeError if a clear never reaches the index.
+    """
     ix.flush(5.0)
     before = ix.stats().events.clears
     for e in fleet.engines:
         e.post_json("/reset_prefix_cache")
-    deadline = time.monotonic() + 30
-    while ix.stats().events.clears < before + len(fleet.engines) and time.monotonic() < deadline:
+        e.post_json("/v1/completions", {"model": e.model_name, "prompt": [5], "max_tokens": 1, "temperature": 0.0})
+    deadline = time.monotonic() + 120  # generous: a loaded 2-core machine
+    while ix.stats().events.clears < before + len(fleet.engines):
+        if time.monotonic() > deadline:
+            raise RuntimeError("AllBlocksCleared of a prefix-cache reset never reached the index")
         time.sleep(0.05)
     ix.flush(5.0)
 
