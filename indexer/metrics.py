@@ -6,7 +6,8 @@ what the library already counts (:meth:`Indexer.stats`,
 :meth:`kvevents.EventPool.stream_counters`, :meth:`Indexer.completeness`,
 the index's ``tier_stats()``), so the write path pays nothing for them; two
 histograms are observed on the read path by :meth:`Indexer.score` (one
-``observe`` each, about a microsecond).
+``observe`` each: prometheus_client's Histogram, a few microseconds; score()
+with and without them, interleaved, measured within noise of each other).
 
 Mount it in the registry your router serves::
 
@@ -118,8 +119,8 @@ class KVIndexMetrics(Collector):
     collector may be registered in several registries.  Scraping takes the
     indexer's stats (a snapshot; shard counters are read without stopping
     the workers) and walks the index once for the per-tier gauges (O(keys)
-    in the compiled core, O(entries) in the Python reference; a 1 M-key
-    compiled index takes a few milliseconds).
+    in the compiled core, O(entries) in the Python reference; a whole scrape
+    of a 1 M-key compiled index took 31-37 ms on a loaded 2-core machine).
 
     Args:
         indexer: the indexer to report.
