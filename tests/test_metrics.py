@@ -215,3 +215,22 @@ def test_every_metric_is_documented_and_registered_once() -> None:
     documented = set(re.findall(r"^\| `(kvindex_[a-z_]+)`", section, re.M))
     exposed = {n + "_total" if k == "counter" else n for n, (k, _l, _d) in METRICS.items()}
     assert exposed <= documented, sorted(exposed - documented)
+
+
+def test_router_registry_serves_the_library_metrics_and_engine_reported_hits() -> None:
+    """The reference router's registry: the embedded indexer's families, and the engines' prefix-cache
+    hit counters turned into increases (first refresh = baseline; a counter going down = engine restart)."""
+    from examples.router.app import EngineSpec, Router, RouterConfig
+
+    router = Router(RouterConfig(engines=[EngineSpec(pod="p0", url="http://127.0.0.1:9", endpoint="tcp://127.0.0.1:9")]))
+    assert not any(k[0].startswith("kvindex_index_") for k in scrape(router.registry))  # no indexer yet
+    router.indexer = Indexer(Config())
+    router.indexer.score(list(range(64)))
+    for hits, queries in [(1000, 5000), (1600, 6000), (1600, 6000), (200, 300), (None, None), (500, 900)]:
+        router._count_engine_hits("p0", hits, queries)
+    got = scrape(router.registry)
+    # baseline 1000; +600; +0; restart: +200; absent: nothing; +300
+    assert got[("kvindex_router_engine_cached_tokens_total", (("pod", "p0"),))] == 600 + 200 + 300
+    assert got[("kvindex_router_engine_queried_tokens_total", (("pod", "p0"),))] == 1000 + 300 + 600
+    assert got[("kvindex_score_duration_seconds_count", ())] == 1
+    assert ("kvindex_index_keys", ()) in got and ("kvindex_event_errors_total", ()) not in got
