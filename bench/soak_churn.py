@@ -29,7 +29,7 @@ the traffic); throughput of the last decile of messages is within 0.7-1.3x
 the first's (stable); no message dropped; at the end every pod's blocks in
 the index are a subset of the engine model's (nothing stale survives churn).
 
-Run: ``python bench/soak_churn.py [--hours H] [--pods N]`` (``make soak-churn``).
+Run: ``python bench/soak_churn.py [--hours H] [--pods N] [--max-seconds S]`` (``make soak-churn``).
 Writes bench/out/soak_churn.json and bench/out/soak_churn.png.
 """
 
@@ -182,7 +182,7 @@ def fleet(endpoint: str, pods: int, hours: float, seed: int, credit, applied, wi
     with open(cache_file, "wb") as f:  # read by the main process after its last memory sample
         pickle.dump({p.name: list(p.cache) for p in P}, f)
     out_q.put(done_steps / REQ_PER_POD_S)
-    pub.close(linger=-1)
+    pub.close(linger=30_000)
     ctx.term()
 
 
@@ -212,6 +212,9 @@ def main() -> None:
     ap.add_argument("--backend", default="native")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
+    import faulthandler
+
+    faulthandler.enable()
 
     import zmq
 
@@ -223,12 +226,19 @@ def main() -> None:
     tp = TokenProcessor(block_size=BS, hash_seed=args.seed)
     index = make_index(args.backend, tp, capacity=args.capacity, max_orphan_blocks=args.max_orphans)
     pool = EventPool(index, concurrency=2, queue_size=10_000)
-    probe = zmq.Context.instance().socket(zmq.PUB)
-    port = probe.bind_to_random_port("tcp://127.0.0.1")
-    probe.close(linger=0)
-    sub = Subscriber(pool, bind=f"tcp://127.0.0.1:{port}", rcvhwm=0)
     pool.start()
-    sub.start()
+    for attempt in range(20):  # a free port for the subscriber to bind (the fleet dials in)
+        probe = zmq.Context.instance().socket(zmq.PUB)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)
+        sub = Subscriber(pool, bind=f"tcp://127.0.0.1:{port}", rcvhwm=0)
+        try:
+            sub.start()
+            break
+        except zmq.ZMQError:
+            time.sleep(0.1)
+    else:
+        raise RuntimeError("no free port to bind")
     rss0, _ = rss_bytes()
 
     out = ROOT / "bench" / "out"
