@@ -12,9 +12,9 @@
    router started; its ROUTER (ZMQ's default send HWM, 1,000, as vLLM's) drops
    replies it cannot queue, so the start-up replay has holes.  With the
    library's re-ask (a hole inside a replay is asked again from the hole)
-   against the peer behaviour in the same run (``MAX_HOLE_RETRIES = 0``: the
-   hole is taken as lost, the stream cleared and rebuilt from what follows):
-   holes, time to converge, block copies missing at the end.
+   against the behaviour before (``MAX_HOLE_RETRIES = 0``: the hole is taken
+   as lost, the stream cleared and rebuilt from what follows), 3 trials each,
+   interleaved: holes, time to converge, block copies missing at the end.
 
 Run: ``python bench/overload.py`` (``make overload``).  Writes bench/out/overload.json.
 """
@@ -49,19 +49,20 @@ def main() -> None:
         print(f"{n:>7,} {r['send_seconds']:>7} {r['dropped']:>8,} {r['resyncs']:>8} {r['replayed_batches']:>9,} "
               f"{str(r['converge_seconds']):>11} {str(o.complete):>9} {o.extra:>6} {o.missing:>8}")
     print("\n2. replay burst of 10,000 batches beyond the ROUTER's send HWM (1,000) at start-up")
-    print(f"{'policy':<22} {'holes':>6} {'replays':>8} {'unrecovered':>12} {'converge s':>11} {'complete':>9} "
+    print(f"{'policy (trial)':<26} {'holes':>6} {'replays':>8} {'unrecovered':>12} {'converge s':>11} {'complete':>9} "
           f"{'extra':>6} {'missing':>8}")
-    res = {}
-    for name, retries in (("ask again (kvindex)", None), ("hole taken as lost", 0)):
-        o = replay_burst(10_000, block_size=128, hole_retries=retries, replay_timeout=2.0, timeout=300)
+    trials = [(name, retries, t) for t in range(3) for name, retries in
+              (("ask again (kvindex)", None), ("hole taken as lost", 0))]  # interleaved, same seeds
+    for name, retries, t in trials:
+        o = replay_burst(10_000, block_size=128, hole_retries=retries, replay_timeout=2.0, timeout=300, seed=4 + t)
         st = o.stats
-        res[name] = o
-        rows.append({"scenario": "replay_burst", "policy": name, "batches": 10_000, "holes": st.replay_holes,
+        rows.append({"scenario": "replay_burst", "policy": name, "trial": t, "batches": 10_000,
+                     "holes": st.replay_holes,
                      "replay_requests": st.replay_requests, "gaps_unrecovered": st.gaps_unrecovered,
                      "converge_seconds": None if o.converge_seconds is None else round(o.converge_seconds, 3),
                      "complete": o.complete, "extra": o.extra, "missing": o.missing})
         r = rows[-1]
-        print(f"{name:<22} {r['holes']:>6} {r['replay_requests']:>8} {r['gaps_unrecovered']:>12} "
+        print(f"{name + f' ({t})':<26} {r['holes']:>6} {r['replay_requests']:>8} {r['gaps_unrecovered']:>12} "
               f"{str(r['converge_seconds']):>11} {str(o.complete):>9} {o.extra:>6} {o.missing:>8}")
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
