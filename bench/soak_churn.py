@@ -4,14 +4,16 @@
 its peak load: 60 QPS over 8 pods = 7.5 requests per second per pod; each
 request carries a customer's 6,000-token shared context (150 customers), a
 1,200-token question and 1,000 output tokens; each pod caches 307,328 tokens
-(19,208 blocks of 16 tokens).  Per pod and request the engine model stores
+(19,208 blocks of 16 tokens).  Each request's customer is drawn at random
+(as a router that ignores the cache would send them: the most churn; seed
+002's precise routing would hit more).  Per pod and request the engine model stores
 the context blocks it misses plus 75 question blocks in its prefill batch
 (evicting least recently used blocks, with BlockRemoved) and 62 output
-blocks over 4 decode batches; so about 37 batches, ~1,000 blocks stored and
-as many removed per pod per second in steady state.  On top, per pod and
+blocks over 4 decode batches; so about 37 batches and ~3,000 blocks stored
+and as many removed per pod per second in steady state.  On top, per pod and
 hour: 2 prefix-cache resets (AllBlocksCleared) and 1 engine restart (seq
-back to 0, cache empty).  One simulated hour of 16 such pods is ~2.2 M
-messages and ~60 M blocks stored.
+back to 0, cache empty), spread over the hour.  One simulated hour of 16
+such pods is ~2.2 M messages and ~180 M blocks stored.
 
 A separate process plays the 16 engines on a real ZMQ PUB socket (topics
 ``kv@pod-i@m``, the subscriber binds); it runs ahead of the pool by at most
@@ -140,7 +142,7 @@ def fleet(endpoint: str, pods: int, hours: float, seed: int, credit, applied, wi
             break
         done_steps = step + 1
         for i, p in enumerate(P):
-            j = step + i * 997  # de-phase the pods' resets and restarts
+            j = step + i * max(1, steps // pods)  # spread the pods' resets and restarts over the hour
             if restart_every and j % restart_every == restart_every - 1:
                 p.seq = 0  # a new engine process: seq from 0, empty cache (no event)
                 p.cache.clear()
@@ -193,7 +195,8 @@ def restarts_published(pods: int, hours: float, covered_s: float) -> int:
     if RESTARTS_PER_POD_H * hours < 1:
         return 0
     every = max(1, int(steps / (RESTARTS_PER_POD_H * hours)))
-    return sum(1 for i in range(pods) for step in range(done) if (step + i * 997) % every == every - 1)
+    phase = max(1, steps // pods)
+    return sum(1 for i in range(pods) for step in range(done) if (step + i * phase) % every == every - 1)
 
 
 # -- the router side (main process) -------------------------------------------------------------
@@ -204,7 +207,7 @@ def main() -> None:
     ap.add_argument("--hours", type=float, default=1.0, help="simulated hours of fleet traffic")
     ap.add_argument("--pods", type=int, default=16)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--capacity", type=int, default=200_000, help="the index's bound on request keys")
+    ap.add_argument("--capacity", type=int, default=100_000, help="the index's bound on request keys")
     ap.add_argument("--max-orphans", type=int, default=20_000)
     ap.add_argument("--window", type=int, default=500, help="messages the fleet may run ahead of the pool")
     ap.add_argument("--max-seconds", type=float, default=0, help="stop publishing after this wall time (0: never); "
