@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
+	$(PY) bench/bench_redis.py
 	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
 	$(PY) bench/bench_dynamo.py
 	$(PY) -m bench.sim

@@ -276,7 +276,11 @@ class PDPlanner:
                     )
         if kind is None and remote is not None and entry is not None:
             assert conversation_id is not None
-            self.store.take(conversation_id)
+            if self.store.take(conversation_id) is None:
+                # a shared store (connector.redis_retained): another router replica used it first
+                kind, why = "taken", "the retained entry was used meanwhile (by another router)"
+                remote = None
+        if kind is None and remote is not None and entry is not None:
             pulled = predicted_pull_tokens(pullable, n_prompt, local)
             action, params = PULL, remote.to_dict()
             with self._lock:

@@ -16,6 +16,7 @@ Example (YAML)::
     kv_block_index_config:
       backend: native                # or python (the pure-Python reference)
       in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
+      redis_config: {url: "redis://127.0.0.1:6379/0"}   # backend: redis only
     kv_events_config:
       concurrency: 4
       engines:
@@ -49,6 +50,7 @@ __all__ = [
     "TokenProcessorConfig",
     "InMemoryConfig",
     "KVBlockIndexConfig",
+    "RedisConfig",
     "KVEventsConfig",
     "ScorerWeights",
     "ScorerConfig",
@@ -94,16 +96,44 @@ class InMemoryConfig(_Base, frozen=True):
     max_orphan_blocks: int = 100_000
 
 
+class RedisConfig(_Base, frozen=True):
+    """The shared index in Redis (backend ``redis``; see kvindex.redis_index).
+
+    url: ``redis://host:port/db`` of the server every router replica uses.
+    key_prefix: prefix of the index's keys (replicas of one fleet use the same).
+    held_ttl: seconds a pod's decode-retained (held) entries live after its
+        last add (None: until removed).
+    socket_timeout: seconds per call; retry_interval: seconds calls fail fast
+        after an error (reads then answer without prefix information).
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvindex:{default}:"
+    held_ttl: float | None = 480.0
+    socket_timeout: float = 2.0
+    retry_interval: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not self.key_prefix:
+            raise ValueError("redis_config.key_prefix must not be empty")
+        if not 0 < self.socket_timeout < 3600 or not 0 <= self.retry_interval < 3600:
+            raise ValueError("redis_config: socket_timeout in (0, 3600) s, retry_interval in [0, 3600) s")
+
+
 class KVBlockIndexConfig(_Base, frozen=True):
     """Index implementation and bounds.
 
-    backend: ``"python"`` (:class:`kvindex.index.KVBlockIndex`, the reference)
-    or ``"native"`` (:class:`kvindex.native.NativeKVBlockIndex`, the compiled
-    core); no fallback from one to the other.
+    backend: ``"python"`` (:class:`kvindex.index.KVBlockIndex`, the reference),
+    ``"native"`` (:class:`kvindex.native.NativeKVBlockIndex`, the compiled
+    core) or ``"redis"`` (:class:`kvindex.redis_index.RedisKVBlockIndex`, one
+    index shared by router replicas, configured by ``redis_config``); no
+    fallback from one to another.  ``in_memory_config.size`` bounds the
+    request keys of every backend.
     """
 
     backend: str = "native"
     in_memory_config: InMemoryConfig = msgspec.field(default_factory=InMemoryConfig)
+    redis_config: RedisConfig = msgspec.field(default_factory=RedisConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -161,7 +191,8 @@ class ScorerConfig(_Base, frozen=True):
 
     picker: ``weighted`` (scorer.picker.WeightedPicker, with ``weights``) or
     ``ttft`` (scorer.picker.TTFTPicker: the pod with the lowest estimated
-    time to first token, with ``kv_pressure``).
+    time to first token, with ``kv_pressure``, and the KV-overflow term
+    ``kv_stall`` x overflow, off by default, with ``decode_reserve``).
     speculative_ttl: seconds a request's blocks count as present on the pod
     ``Indexer.route`` chose, until the engine's events confirm them (0
     disables; ``score`` alone never marks anything).
@@ -175,6 +206,8 @@ class ScorerConfig(_Base, frozen=True):
     picker: str = "ttft"
     weights: ScorerWeights = msgspec.field(default_factory=ScorerWeights)
     kv_pressure: float = 10.0
+    kv_stall: float = 0.0
+    decode_reserve: float = 16.0
     speculative_ttl: float = 5.0
 
     def __post_init__(self) -> None:
@@ -182,6 +215,10 @@ class ScorerConfig(_Base, frozen=True):
             raise ValueError(f"picker must be 'weighted' or 'ttft', got {self.picker!r}")
         if not (math.isfinite(self.kv_pressure) and self.kv_pressure >= 0):
             raise ValueError(f"kv_pressure must be finite and >= 0, got {self.kv_pressure}")
+        if not (math.isfinite(self.kv_stall) and self.kv_stall >= 0):
+            raise ValueError(f"kv_stall must be finite and >= 0, got {self.kv_stall}")
+        if not (math.isfinite(self.decode_reserve) and self.decode_reserve >= 0):
+            raise ValueError(f"decode_reserve must be finite and >= 0, got {self.decode_reserve}")
         if not 0 <= self.speculative_ttl < 86_400:
             raise ValueError(f"speculative_ttl must be in [0, 86400) seconds, got {self.speculative_ttl}")
         TierWeights(self.tier_weights)  # raises for negative or non-finite weights

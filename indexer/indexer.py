@@ -112,6 +112,15 @@ class Indexer:
             )
         )
         mem = cfg.kv_block_index_config.in_memory_config
+        if index is None and cfg.kv_block_index_config.backend == "redis":
+            from kvindex.redis_index import RedisKVBlockIndex
+
+            rc = cfg.kv_block_index_config.redis_config
+            index = RedisKVBlockIndex(
+                self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks, url=rc.url,
+                key_prefix=rc.key_prefix, held_ttl=rc.held_ttl, socket_timeout=rc.socket_timeout,
+                retry_interval=rc.retry_interval,
+            )
         self.index: KVIndex = index if index is not None else make_index(
             cfg.kv_block_index_config.backend,
             self.token_processor,
@@ -133,7 +142,9 @@ class Indexer:
         self.tier_weights = TierWeights(sc.tier_weights)
         self.picker: WeightedPicker | TTFTPicker
         if sc.picker == "ttft":
-            self.picker = TTFTPicker(kv_pressure=sc.kv_pressure)
+            self.picker = TTFTPicker(
+                kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve
+            )
         else:
             self.picker = WeightedPicker(
                 PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)

@@ -47,7 +47,7 @@ from kvevents.replay import ReplayClient
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
-from kvindex.protocol import KVIndex
+from kvindex.protocol import IndexUnavailable, KVIndex
 
 __all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "StreamCounters", "EventPool", "RateLimitedLog"]
 
@@ -116,7 +116,9 @@ class PoolStats(msgspec.Struct, frozen=True):
     with a seq missing inside them (a reply lost on the way), asked again from
     the hole; incomplete_streams:
     streams whose completeness flag is false now (see
-    :meth:`EventPool.completeness`).
+    :meth:`EventPool.completeness`); index_unavailable: events not applied
+    because the index's store (Redis) was unreachable; rebuilds: streams
+    cleared and rebuilt from the engine's buffer after such a loss.
     """
 
     messages: int
@@ -142,6 +144,8 @@ class PoolStats(msgspec.Struct, frozen=True):
     replay_failures: int = 0
     incomplete_streams: int = 0
     replay_holes: int = 0
+    index_unavailable: int = 0
+    rebuilds: int = 0
 
 
 class RateLimitedLog:
@@ -274,7 +278,7 @@ class _Counters:
         "messages", "batches", "events", "blocks_stored", "blocks_removed", "clears",
         "decode_errors", "gaps", "gaps_unrecovered", "replay_requests", "replayed_batches",
         "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "replay_holes",
-        "errors_by_kind",
+        "errors_by_kind", "index_unavailable", "rebuilds",
     )
 
     def __init__(self) -> None:
@@ -302,6 +306,9 @@ class _Shard:
         self.c = _Counters()
         self.resync: set[str] = set()  # pods that lost a message to a full queue
         self.resync_due: set[tuple[str, str | None, int]] = set()
+        self.forget_due: set[str] = set()  # removed pods whose clear the index could not take yet
+        # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
+        self.index_gen = getattr(pool.index, "generation", 0)
         self.replay = ReplayClient(
             pool.zmq_context, timeout=pool.replay_timeout, on_error=self._error, max_batches=pool.replay_max_batches
         )
@@ -325,12 +332,14 @@ class _Shard:
     def run(self) -> None:
         try:
             while True:
+                if getattr(self.pool.index, "generation", 0) != self.index_gen:
+                    self._guarded(self._index_reset)
                 if self.resync:
                     self._guarded(self._note_drops)
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
-                    if self.resync_due:
+                    if self.resync_due or self.forget_due:
                         self._guarded(self._resync)
                     continue
                 if item is _STOP:
@@ -354,7 +363,7 @@ class _Shard:
             self._on_message(item)
         elif isinstance(item, _Flush):
             self._note_drops()
-            if self.resync_due:
+            if self.resync_due or self.forget_due:
                 self._resync()
             item.done.set()
         elif isinstance(item, _Bootstrap):
@@ -369,7 +378,11 @@ class _Shard:
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
                 self.resync_due.discard(key)
-            self.pool.index.clear(item.pod)
+            try:
+                self.pool.index.clear(item.pod)
+            except IndexUnavailable as exc:
+                self.forget_due.add(item.pod)  # cleared when the index takes writes again
+                self._unavailable(f"pod {item.pod}: removal not applied: {exc}")
 
     def _streams_of(self, pod: str, rank: int | None = None) -> list[_Stream]:
         return [st for st in self.streams.values() if st.pod == pod and (rank is None or st.rank == rank)]
@@ -427,7 +440,10 @@ class _Shard:
                 self.pool.rlog.warn(
                     "clear", "pod %s model %s rank %s: clearing (%s)", st.pod, st.model, st.rank, a.why
                 )
-                self.pool.index.clear(st.pod, st.rank, model=st.model)
+                try:
+                    self.pool.index.clear(st.pod, st.rank, model=st.model)
+                except IndexUnavailable as exc:
+                    self._index_failed(st, f"pod {st.pod}: clear not applied: {exc}")
             elif t is Complete:
                 st.why = a.why
                 if a.complete:
@@ -443,7 +459,7 @@ class _Shard:
         pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
         st.batches += 1
-        for ev in batch.events:
+        for i, ev in enumerate(batch.events):
             c.events += 1
             st.events += 1
             try:
@@ -466,6 +482,12 @@ class _Shard:
                     st.clears += 1
             except (ValueError, TypeError) as exc:
                 self._error("apply", f"pod {pod}: event not applied: {exc}")
+            except IndexUnavailable as exc:
+                # the rest of the batch is not applied either (order matters); the stream is rebuilt
+                left = len(batch.events) - i
+                c.events += left - 1
+                self._index_failed(st, f"pod {pod}: {left} event(s) not applied: {exc}", left)
+                break
         if batch.skipped_events:
             self._error(
                 "unknown_event", f"pod {pod}: {batch.skipped_events} event(s) of an unknown type skipped",
@@ -568,7 +590,32 @@ class _Shard:
                 self._run(st, st.seq.dropped())
                 self.resync_due.add(key)
 
+    def _index_failed(self, st: _Stream, msg: str, n: int = 1) -> None:
+        """The index refused a write of ``st``: incomplete now, rebuilt when the index takes writes."""
+        self._unavailable(msg, n)
+        self._run(st, st.seq.index_failed())
+        self.resync_due.add((st.pod, st.model, st.rank))
+
+    def _index_reset(self) -> None:
+        """The index lost its data (e.g. its Redis restarted empty): every stream is rebuilt."""
+        self.index_gen = getattr(self.pool.index, "generation", 0)
+        for st in list(self.streams.values()):
+            self._index_failed(st, f"pod {st.pod}: the index lost its data", 0)
+
+    def _unavailable(self, msg: str, n: int = 1) -> None:
+        self.c.index_unavailable += n
+        self.pool.rlog.warn("index_unavailable", "kvevents: %s", msg)
+
     def _resync(self) -> None:
+        writable = getattr(self.pool.index, "writable", None)
+        if writable is not None and not writable():
+            return  # replays and rebuilds wait until the index takes writes again
+        for pod in list(self.forget_due):
+            try:
+                self.pool.index.clear(pod)
+                self.forget_due.discard(pod)
+            except IndexUnavailable:
+                return
         keys, self.resync_due = self.resync_due, set()
         for key in keys:
             st = self.streams.get(key)

@@ -12,7 +12,9 @@ payload failed to decode), :meth:`~Sequencer.replayed` / :meth:`~Sequencer.repla
 :meth:`~Sequencer.confirmed` (the answer to a restart check),
 :meth:`~Sequencer.dropped` (a message of this pod was lost to a full queue),
 :meth:`~Sequencer.disconnected` / :meth:`~Sequencer.reconnected`,
-:meth:`~Sequencer.idle` (the shard's queue is empty).
+:meth:`~Sequencer.index_failed` (the index could not take a write: its store,
+e.g. Redis, was unreachable), :meth:`~Sequencer.idle` (the shard's queue is
+empty; the index takes writes again).
 
 Outputs (actions): :class:`Apply` (apply a batch to the index),
 :class:`Clear` (forget the stream's blocks), :class:`Replay` (ask the engine's
@@ -82,6 +84,11 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   true again after a replay covering everything from our last seq, a stream
   (re)started at seq 0, or a batch carrying AllBlocksCleared (the engine's
   state is then known from that point).
+- A write the index could not take (its store unreachable) makes the stream
+  incomplete; at the next idle moment when the index takes writes again the
+  stream is cleared and rebuilt from the engine's replay buffer from seq 0
+  (complete again when the buffer still starts at seq 0; otherwise it stays
+  incomplete, like a late join).
 """
 
 from __future__ import annotations
@@ -176,7 +183,7 @@ class Sequencer:
         "has_replay", "last", "last_ts", "exact", "lost", "suspect", "complete",
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
-        "_r_hole", "_r_retries", "_r_last0",
+        "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -209,11 +216,13 @@ class Sequencer:
         self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
+        self.broken = False  # the index failed to take a write of this stream since its last rebuild
+        self._rebuild_due = False
 
     # ------------------------------------------------------------ helpers
 
     def _set_complete(self, out: list[Action], why: str) -> None:
-        c = self.exact and not self.lost
+        c = self.exact and not self.lost and not self.broken
         if c != self.complete:
             self.complete = c
             out.append(Complete(c, why))
@@ -558,9 +567,37 @@ class Sequencer:
             return out
         return self._start_replay(out, "bootstrap", 0 if self.last is None else self.last + 1)
 
-    def idle(self) -> list[Action]:
-        """The shard's queue is empty: replay what a drop may have lost (resync)."""
+    def index_failed(self) -> list[Action]:
+        """The index could not take a write of this stream (its store was unreachable).
+
+        The index may now hold less or more than the engine: the stream is
+        incomplete until :meth:`idle` rebuilds it.  Safe to call while a
+        replay is in progress (it only marks the stream).
+        """
         out: list[Action] = []
+        self.broken = True
+        self._rebuild_due = True
+        self._set_complete(out, "index write failed")
+        return out
+
+    def rebuild_due(self) -> bool:
+        """A write was lost (:meth:`index_failed`) and the stream awaits its rebuild."""
+        return self._rebuild_due
+
+    def idle(self) -> list[Action]:
+        """The shard's queue is empty and the index takes writes: rebuild a stream whose
+        writes were lost, or replay what a drop may have lost (resync)."""
+        out: list[Action] = []
+        if self._rebuild_due and self._op is None:
+            self._rebuild_due = False
+            self.broken = False
+            self._resync_due = False
+            out.append(Count("rebuilds"))
+            self._clear(out, "index writes were lost; rebuilding from the engine's buffer")
+            if self.has_replay:
+                return self._start_replay(out, "restart", 0)
+            self._set_complete(out, "rebuilt without replay")
+            return out
         if self._resync_due and self.lost and self.has_replay and not self.suspect and self._candidate is None:
             self._resync_due = False
             out.append(Count("resyncs"))

@@ -83,6 +83,9 @@ class IndexStats(msgspec.Struct, frozen=True):
     dropped by the orphan bound or a clear; speculative: live speculative
     entries; speculative_confirmed / speculative_expired: their fates;
     clears: clear() calls that removed something.
+    redis_errors: calls that could not reach the Redis server (Redis backend
+    only; reads answered without prefix information, writes dropped);
+    dropped_writes: of those, write calls not applied.
     """
 
     keys: int
@@ -102,6 +105,8 @@ class IndexStats(msgspec.Struct, frozen=True):
     speculative_confirmed: int
     speculative_expired: int
     clears: int
+    redis_errors: int = 0
+    dropped_writes: int = 0
 
 
 class _PodBlock:

@@ -1,8 +1,10 @@
 """The index interface: :class:`KVIndex`, a typing.Protocol, and :func:`make_index`.
 
 Every index implementation satisfies :class:`KVIndex`: the pure-Python
-reference :class:`kvindex.index.KVBlockIndex` (the oracle in tests) and the
-compiled :class:`kvindex.native.NativeKVBlockIndex`.  The write path
+reference :class:`kvindex.index.KVBlockIndex` (the oracle in tests), the
+compiled :class:`kvindex.native.NativeKVBlockIndex` and the shared
+:class:`kvindex.redis_index.RedisKVBlockIndex` (several router replicas on
+one Redis).  The write path
 (kvevents' pool), the read path (scorer, indexer) and the facade depend only
 on this Protocol; the configuration names the implementation explicitly
 (``kv_block_index_config.backend``) and there is no silent fallback.
@@ -17,10 +19,21 @@ if TYPE_CHECKING:
     from kvindex.index import IndexStats, PodEntry
     from kvindex.keys import TokenProcessor
 
-__all__ = ["BACKENDS", "KVIndex", "make_index"]
+__all__ = ["BACKENDS", "IndexUnavailable", "KVIndex", "make_index"]
 
 #: Index implementations :func:`make_index` builds.
-BACKENDS = ("python", "native")
+BACKENDS = ("python", "native", "redis")
+
+
+class IndexUnavailable(RuntimeError):
+    """A write could not reach the index's store (the Redis backend during an outage).
+
+    The write was not applied (each write is one atomic server-side script).
+    The write path (kvevents' pool) counts it, marks the publisher's stream
+    incomplete and rebuilds it from the engine's replay buffer once the store
+    answers again.  The read path never raises it: reads degrade to no
+    prefix information.
+    """
 
 
 @runtime_checkable
@@ -95,12 +108,18 @@ def make_index(
     capacity: int = 1_000_000,
     max_orphan_blocks: int = 100_000,
     clock: Callable[[], float] | None = None,
+    redis_url: str | None = None,
+    redis_client: Any = None,
+    key_prefix: str | None = None,
 ) -> KVIndex:
     """Build the index implementation named ``backend`` (one of :data:`BACKENDS`).
 
     ``"python"``: :class:`kvindex.index.KVBlockIndex`; ``"native"``:
     :class:`kvindex.native.NativeKVBlockIndex` (ImportError if the compiled
-    core was not built: no fallback).  Other arguments as the classes'.
+    core was not built: no fallback); ``"redis"``:
+    :class:`kvindex.redis_index.RedisKVBlockIndex` on ``redis_client`` or
+    ``redis_url`` under ``key_prefix`` (needs the ``redis`` package: the
+    ``kvindex[redis]`` extra).  Other arguments as the classes'.
 
     Raises:
         ValueError: unknown backend, or bad bounds.
@@ -114,4 +133,13 @@ def make_index(
         from kvindex.native import NativeKVBlockIndex
 
         return NativeKVBlockIndex(token_processor, capacity=capacity, max_orphan_blocks=max_orphan_blocks, **kw)
+    if backend == "redis":
+        from kvindex.redis_index import RedisKVBlockIndex
+
+        if key_prefix is not None:
+            kw["key_prefix"] = key_prefix
+        return RedisKVBlockIndex(
+            token_processor, capacity=capacity, max_orphan_blocks=max_orphan_blocks,
+            url=redis_url, client=redis_client, **kw,
+        )
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

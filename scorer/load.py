@@ -14,6 +14,8 @@ vllm:num_requests_running          gauge    running (requests)
 vllm:kv_cache_usage_perc           gauge    kv_usage (fraction 0..1, not %)
 vllm:prefix_cache_queries_total    counter  prefix_cache_queries (tokens)
 vllm:prefix_cache_hits_total       counter  prefix_cache_hits (tokens)
+vllm:cache_config_info             gauge    kv_capacity_tokens (labels
+                                            num_gpu_blocks x block_size)
 =================================  =======  ===================================
 
 Engines older than vLLM 0.10 called the usage gauge
@@ -65,6 +67,11 @@ class LoadSnapshot(msgspec.Struct, kw_only=True):
             does not track it (the parser leaves it None; see
             ``indexer.Indexer.request_started``).  Read by
             :class:`scorer.picker.TTFTPicker`.
+        kv_capacity_tokens: the pod's KV cache size in tokens (vLLM's
+            ``num_gpu_blocks x block_size``, labels of
+            ``vllm:cache_config_info``), None when unknown; with
+            ``kv_usage`` it gives the free KV :class:`scorer.picker.TTFTPicker`
+            checks a request against.
 
     Missing metrics give zeros (None for the counters).  Use
     ``msgspec.structs.replace(snap, in_flight=n)`` to add the router's count.
@@ -79,6 +86,7 @@ class LoadSnapshot(msgspec.Struct, kw_only=True):
     scraped_at: float | None = None
     engines: int = 0
     prefill_tokens: float | None = None
+    kv_capacity_tokens: float | None = None
 
 
 _WAITING = ("vllm:num_requests_waiting",)
@@ -86,7 +94,8 @@ _RUNNING = ("vllm:num_requests_running",)
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 _HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
-_WANTED = frozenset(_WAITING + _RUNNING + _KV_USAGE + _QUERIES + _HITS)
+_CACHE_INFO = "vllm:cache_config_info"
+_WANTED = frozenset(_WAITING + _RUNNING + _KV_USAGE + _QUERIES + _HITS + (_CACHE_INFO,))
 _FAMILIES = _WANTED | {n.removesuffix("_total") for n in _WANTED}
 
 # Lines that can matter: samples of the wanted names and their HELP/TYPE
@@ -119,7 +128,10 @@ def parse_vllm_metrics(text: str, *, model_name: str | None = None) -> LoadSnaps
 
     Aggregation over label sets (several ``engine`` values are the engine cores
     of one server, e.g. ``--data-parallel-size`` > 1 behind one API server):
-    waiting, running and the two counters are **summed**; kv_usage is the
+    waiting, running, the two counters and the KV capacity are **summed**
+    (an engine core's capacity is the ``num_gpu_blocks`` label times the
+    ``block_size`` label of its ``vllm:cache_config_info``; a sample without
+    both as positive integers is skipped); kv_usage is the
     **mean** over engine cores (vLLM gives every DP rank an equally sized KV
     pool and its DP coordinator balances requests across ranks, so the mean is
     the fraction of the server's KV in use).  Samples are keyed by their
@@ -163,7 +175,12 @@ def _collect(text: str, model_name: str | None) -> LoadSnapshot:
                 labels = sample.labels
                 if model_name is not None and labels.get("model_name") != model_name:
                     continue
-                v = float(sample.value)
+                if name == _CACHE_INFO:
+                    v = _capacity(labels)
+                    if v is None:
+                        continue
+                else:
+                    v = float(sample.value)
                 if not math.isfinite(v):
                     continue
                 engine = labels.get("engine", "")
@@ -190,6 +207,13 @@ def _collect(text: str, model_name: str | None) -> LoadSnapshot:
         kv = math.fsum(per_engine.values()) / len(per_engine)
     else:
         kv = 0.0
+    capacity: float | None = None
+    cap_samples = values.get(_CACHE_INFO)
+    if cap_samples:
+        per_engine_cap: dict[str, float] = {}
+        for key, v in cap_samples:
+            per_engine_cap[key] = v  # a repeated label set: the last one wins
+        capacity = math.fsum(per_engine_cap.values())
     return LoadSnapshot(
         waiting=max(0.0, waiting),
         running=max(0.0, running),
@@ -197,7 +221,18 @@ def _collect(text: str, model_name: str | None) -> LoadSnapshot:
         prefix_cache_queries=total(_QUERIES),
         prefix_cache_hits=total(_HITS),
         engines=len(engines),
+        kv_capacity_tokens=capacity,
     )
+
+
+def _capacity(labels: dict[str, str]) -> float | None:
+    """KV tokens of one engine core from ``vllm:cache_config_info`` labels, or None."""
+    try:
+        blocks = int(labels.get("num_gpu_blocks", ""))
+        size = int(labels.get("block_size", ""))
+    except ValueError:
+        return None
+    return float(blocks * size) if blocks > 0 and size > 0 else None
 
 
 async def fetch_load(

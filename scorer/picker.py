@@ -166,7 +166,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True):
                 )
             )
         head = (f"picker={self.picker} chosen={self.pod} cost={-self.score:.0f} tokens"
-                "  (cost = queued + uncached x (1 + kv_pressure x kv_use); lowest wins)")
+                "  (cost = queued + uncached x (1 + kv_pressure x kv_use) + kv_stall x overflow; lowest wins)")
         return _table(head, rows)
 
 
@@ -429,6 +429,30 @@ class TTFTPicker:
       evict cached prefixes other requests would reuse (and at the limit
       preempt running requests), so the work placed there costs more the
       fuller it is; a full hit writes nothing and pays nothing for it.
+    * overflow(p) = ``max(0, queued(p) + uncached(p) + running(p) x
+      decode_reserve - free(p))`` with free(p) = ``(1 - kv_usage) x
+      kv_capacity_tokens`` (when the pod's ``LoadSnapshot.kv_capacity_tokens``
+      is known; else no overflow): the KV that this request, the prefill
+      queued ahead of it and the growth of the running requests meanwhile
+      (each decoding request writes one token per step, and vLLM 0.32's
+      scheduler serves running requests first) must allocate beyond what is
+      free.  The scheduler admits waiting requests in order only while their
+      blocks can be allocated (``KVCacheManager.allocate_slots``) and a
+      decoding request that finds no free block preempts the newest running
+      one, so such a request waits, and the queue behind it too, until
+      running requests finish: a stall of decode length (tens of seconds for
+      long answers), not of prefill length.  Each overflowing token costs
+      ``kv_stall`` prefill tokens, which ranks every pod where the work fits
+      before any where it does not, and among the latter the smallest
+      overflow first.  Off by default (``kv_stall`` 0): in the fleet
+      simulator (bench/sim/README.md) it did not remove the stalls of a fleet
+      whose KV is full everywhere (it moves misses onto pods that then stall
+      in turn), so it is there to try, not a tuned default.
+
+    The full cost::
+
+        cost(p) = queued(p) + uncached(p) x (1 + kv_pressure x kv_usage(p))
+                  + kv_stall x overflow(p)
 
     All terms are in tokens, so no hardware calibration is needed: prefill
     time is close to linear in tokens on one pod type.  Ties (within
@@ -439,6 +463,11 @@ class TTFTPicker:
 
     Args:
         kv_pressure: weight of the KV-headroom term (>= 0, finite).
+        kv_stall: cost in prefill tokens of one token of KV overflow (>= 0,
+            finite; 0, the default, turns the term off; 100 makes any
+            overflow outweigh a full miss).
+        decode_reserve: tokens each running request is expected to add to
+            its KV before this request's first token (>= 0, finite).
         tie_tokens: costs closer than this count as equal (>= 0).
 
     Raises:
@@ -447,11 +476,21 @@ class TTFTPicker:
 
     name = "ttft"
 
-    def __init__(self, *, kv_pressure: float = 10.0, tie_tokens: float = 0.0) -> None:
-        for n, v in (("kv_pressure", kv_pressure), ("tie_tokens", tie_tokens)):
+    def __init__(
+        self,
+        *,
+        kv_pressure: float = 10.0,
+        kv_stall: float = 0.0,
+        decode_reserve: float = 16.0,
+        tie_tokens: float = 0.0,
+    ) -> None:
+        for n, v in (("kv_pressure", kv_pressure), ("kv_stall", kv_stall), ("decode_reserve", decode_reserve),
+                     ("tie_tokens", tie_tokens)):
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"{n} must be finite and >= 0, got {v}")
         self.kv_pressure = float(kv_pressure)
+        self.kv_stall = float(kv_stall)
+        self.decode_reserve = float(decode_reserve)
         self.tie_tokens = float(tie_tokens)
         self.weights = None
 
@@ -474,6 +513,7 @@ class TTFTPicker:
         costs: dict[str, float] = {}
         uncached: dict[str, int] = {}
         queued: dict[str, float] = {}
+        overflow: dict[str, float] = {}
         for r in rows:
             ps = prefix.get(r.pod)
             cached = 0.0
@@ -487,9 +527,16 @@ class TTFTPicker:
                 if ld is not None and ld.prefill_tokens is not None
                 else r.waiting * n_prompt
             )
+            over = 0.0
+            cap = ld.kv_capacity_tokens if ld is not None else None
+            if cap is not None and self.kv_stall > 0.0:
+                free = (1.0 - r.kv_cache_usage) * _finite_nonneg(cap)
+                growth = _finite_nonneg(ld.running) * self.decode_reserve
+                over = max(0.0, q + un + growth - free)
             uncached[r.pod] = int(round(un))
             queued[r.pod] = q
-            costs[r.pod] = q + un * (1.0 + self.kv_pressure * r.kv_cache_usage)
+            overflow[r.pod] = over
+            costs[r.pod] = q + un * (1.0 + self.kv_pressure * r.kv_cache_usage) + self.kv_stall * over
         best_cost = min(costs.values())
         tie = self.tie_tokens
 
@@ -504,7 +551,7 @@ class TTFTPicker:
             if i == 0:
                 reason = "only candidate" if len(ranked) == 1 else self._win_reason(r, ranked[1], costs)
             else:
-                reason = self._lose_reason(r, win, costs, queued, uncached)
+                reason = self._lose_reason(r, win, costs, queued, uncached, overflow)
             e = r.explanation(-costs[r.pod], reason)
             expl[r.pod] = msgspec.structs.replace(
                 e, cost=costs[r.pod], queued_tokens=queued[r.pod], uncached_tokens=uncached[r.pod]
@@ -520,11 +567,19 @@ class TTFTPicker:
         return "tie on cost; first pod id"
 
     def _lose_reason(
-        self, r: _Inputs, win: _Inputs, costs: dict[str, float], queued: dict[str, float], uncached: dict[str, int]
+        self,
+        r: _Inputs,
+        win: _Inputs,
+        costs: dict[str, float],
+        queued: dict[str, float],
+        uncached: dict[str, int],
+        overflow: dict[str, float],
     ) -> str:
         gap = costs[r.pod] - costs[win.pod]
         if gap <= self.tie_tokens:
             return "tie on cost; lost the tie-break"
+        if overflow[r.pod] > overflow[win.pod]:
+            return f"+{gap:.0f} tokens vs {win.pod}, mostly kv overflow ({overflow[r.pod]:.0f} tokens do not fit)"
         dq = queued[r.pod] - queued[win.pod]
         du = uncached[r.pod] - uncached[win.pod]
         main = "queued prefill" if dq >= du and dq > 0 else "uncached prefix" if du > 0 else "kv headroom"

@@ -22,3 +22,36 @@ settings.register_profile(
 )
 settings.register_profile("kvindex-ci", parent=settings.get_profile("kvindex"), derandomize=True, database=None)
 settings.load_profile("kvindex-ci" if os.environ.get("CI") else "kvindex")
+
+
+# -- a real Redis server for the Redis backend's tests (see tests/redis_server.py)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One ``redis-server`` for the session on a free loopback port (persistence off).
+
+    Fails (never skips) when the binary is missing: ``.ci/run`` installs it.
+    """
+    from tests.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The session server's URL, its data flushed before the test."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url

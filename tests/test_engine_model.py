@@ -64,10 +64,32 @@ ZMQ_PUBLISHERS = [("pod-a", "m1", 0), ("pod-a", "m1", 1), ("pod-b", "m2", 0)]
 IndexFactory = Callable[[TokenProcessor], KVBlockIndex]
 
 
-@pytest.fixture(params=[KVBlockIndex, NativeKVBlockIndex], ids=["python", "native"])
+@pytest.fixture(params=["python", "native", "redis"])
 def index_factory(request: pytest.FixtureRequest) -> IndexFactory:
-    """Builds the index under test (every index backend is a param here)."""
-    return lambda tp: request.param(tp, capacity=1_000_000)
+    """Builds the index under test (every index backend is a param here).
+
+    ``redis``: a :class:`kvindex.redis_index.RedisKVBlockIndex` on the
+    session's real redis-server, a fresh key prefix per example.
+    """
+    if request.param == "python":
+        return lambda tp: KVBlockIndex(tp, capacity=1_000_000)
+    if request.param == "native":
+        return lambda tp: NativeKVBlockIndex(tp, capacity=1_000_000)
+    from kvindex.redis_index import RedisKVBlockIndex
+
+    url = request.getfixturevalue("redis_url")
+    counter = iter(range(10**9))
+
+    def make(tp: TokenProcessor) -> RedisKVBlockIndex:
+        return RedisKVBlockIndex(tp, capacity=1_000_000, url=url, key_prefix=f"em{next(counter)}:")
+
+    make.slow = True  # type: ignore[attr-defined]
+    return make
+
+
+def _examples(index_factory: IndexFactory, n: int, slow: int) -> int:
+    """Examples for a backend: ``slow`` for one whose every call is a server round trip."""
+    return slow if getattr(index_factory, "slow", False) else n
 
 
 def view(index: KVBlockIndex, e: ModelEngine) -> set[tuple[int, str]]:
@@ -320,9 +342,11 @@ COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomiz
 
 def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
     machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=250, stateful_step_count=40, **COMMON))
+    n = _examples(index_factory, 250, 30)
+    run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=40, **COMMON))
 
 
 def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:
     machine = type("Machine", (ZmqEngineMachine,), {"index_factory": staticmethod(index_factory)})
-    run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=25, **COMMON))
+    n = _examples(index_factory, 40, 8)
+    run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=25, **COMMON))

@@ -205,10 +205,10 @@ def test_explain_table_and_roundtrip():
     assert msgspec.json.decode(msgspec.json.encode(c), type=Choice) == c
 
 
-# -- TTFTPicker: cost = queued + uncached x (1 + kv_pressure x usage)
+# -- TTFTPicker: cost = queued + uncached x (1 + kv_pressure x usage) + kv_stall x overflow
 
 
-def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure):
+def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure, kv_stall=100.0, reserve=16.0):
     """Plain recomputation of every cost and the winner (lowest cost, then shorter queue, then pod id)."""
     pods = list(dict.fromkeys(candidates))
     cost = {}
@@ -220,7 +220,12 @@ def oracle_ttft(prefix, loads, candidates, prompt, kv_pressure):
         ld = loads.get(p, LoadSnapshot())
         use = min(1.0, max(0.0, ld.kv_usage))
         queued = ld.prefill_tokens if ld.prefill_tokens is not None else ld.waiting * prompt
-        cost[p] = queued + max(0.0, prompt - cached) * (1 + kv_pressure * use)
+        uncached = max(0.0, prompt - cached)
+        overflow = 0.0
+        if ld.kv_capacity_tokens is not None:
+            growth = ld.running * reserve
+            overflow = max(0.0, queued + uncached + growth - (1 - use) * ld.kv_capacity_tokens)
+        cost[p] = queued + uncached * (1 + kv_pressure * use) + kv_stall * overflow
     best = min(pods, key=lambda p: (cost[p], loads.get(p, LoadSnapshot()).waiting + loads.get(p, LoadSnapshot()).in_flight, p))
     return best, cost
 
@@ -237,26 +242,58 @@ def ttft_cases(draw):
                                 weighted_blocks=w * blocks, coverage=min(1.0, 16 * w * blocks / max(1, prompt)))
     loads = {
         p: LoadSnapshot(waiting=draw(st.integers(0, 20)), kv_usage=draw(usages), in_flight=draw(st.integers(0, 5)),
-                        prefill_tokens=draw(st.none() | st.floats(0.0, 50_000.0, allow_subnormal=False)))
+                        running=draw(st.integers(0, 300)),
+                        prefill_tokens=draw(st.none() | st.floats(0.0, 50_000.0, allow_subnormal=False)),
+                        kv_capacity_tokens=draw(st.none() | st.sampled_from([0.0, 4096.0, 65_536.0])))
         for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True))
     }
-    return prefix, loads, candidates, prompt, draw(st.sampled_from([0.0, 1.0, 10.0]))
+    return (prefix, loads, candidates, prompt, draw(st.sampled_from([0.0, 1.0, 10.0])),
+            draw(st.sampled_from([0.0, 100.0])), draw(st.sampled_from([0.0, 16.0])))
 
 
 @settings(max_examples=200, deadline=None)
 @given(ttft_cases())
 def test_ttft_picker_matches_oracle(case):
-    prefix, loads, candidates, prompt, kvp = case
-    c = TTFTPicker(kv_pressure=kvp).pick(prefix, loads, candidates, prompt_tokens=prompt)
-    best, cost = oracle_ttft(prefix, loads, candidates, prompt, kvp)
+    prefix, loads, candidates, prompt, kvp, stall, reserve = case
+    c = TTFTPicker(kv_pressure=kvp, kv_stall=stall, decode_reserve=reserve).pick(
+        prefix, loads, candidates, prompt_tokens=prompt)
+    best, cost = oracle_ttft(prefix, loads, candidates, prompt, kvp, stall, reserve)
     assert c.pod == best
     assert c.score == pytest.approx(-cost[best])
     assert set(c.explanation) == set(candidates) and next(iter(c.explanation)) == best
     for p, e in c.explanation.items():
         assert e.cost == pytest.approx(cost[p]) and e.total == pytest.approx(-cost[p])
         assert 0 <= e.uncached_tokens <= prompt
-    assert TTFTPicker(kv_pressure=kvp).pick(
+    assert TTFTPicker(kv_pressure=kvp, kv_stall=stall, decode_reserve=reserve).pick(
         prefix, loads, list(reversed(candidates)), prompt_tokens=prompt).pod == c.pod
+
+
+def test_ttft_picker_kv_overflow():
+    """A pod whose free KV cannot hold the queued prefill plus this request's uncached tokens
+    (plus the running requests' growth) loses to one where it fits, even with a longer
+    prefix; without capacity the term is off."""
+    prefix = {"a": PrefixScore(pod="a", matched_blocks=250, matched_tokens=4000, weighted_blocks=250.0, coverage=0.8)}
+    loads = {"a": LoadSnapshot(prefill_tokens=2000.0, kv_usage=0.95, kv_capacity_tokens=40_000.0),
+             "b": LoadSnapshot(prefill_tokens=0.0, kv_usage=0.5, kv_capacity_tokens=40_000.0)}
+    p = TTFTPicker(kv_pressure=1.0, kv_stall=100.0, decode_reserve=16.0)
+    c = p.pick(prefix, loads, ["a", "b"], prompt_tokens=5000)
+    # a: 2000 + 1000 x 1.95 + 100 x (2000 + 1000 - 2000) = 103,950 ; b: 5000 x 1.5 = 7,500 (20,000 free)
+    assert c.pod == "b" and c.explanation["a"].cost == pytest.approx(103_950.0)
+    assert "kv overflow" in c.explanation["a"].reason and "kv_stall x overflow" in c.explain().splitlines()[0]
+    assert TTFTPicker(kv_pressure=1.0, kv_stall=0.0).pick(prefix, loads, ["a", "b"], prompt_tokens=5000).pod == "a"
+    unknown = {k: msgspec.structs.replace(v, kv_capacity_tokens=None) for k, v in loads.items()}
+    assert p.pick(prefix, unknown, ["a", "b"], prompt_tokens=5000).pod == "a"
+    with pytest.raises(ValueError):
+        TTFTPicker(kv_stall=-1.0)
+    with pytest.raises(ValueError):
+        TTFTPicker(decode_reserve=math.nan)
+    # a full hit fits in a's 2,000 free tokens, unless 200 running requests grow by 16 tokens each first
+    full = {"a": PrefixScore(pod="a", matched_blocks=312, matched_tokens=4992, weighted_blocks=312.0, coverage=1.0)}
+    quiet = {"a": LoadSnapshot(prefill_tokens=0.0, kv_usage=0.95, kv_capacity_tokens=40_000.0, running=10),
+             "b": LoadSnapshot(prefill_tokens=0.0, kv_usage=0.5, kv_capacity_tokens=40_000.0, running=10)}
+    assert p.pick(full, quiet, ["a", "b"], prompt_tokens=5000).pod == "a"
+    busy = dict(quiet, a=msgspec.structs.replace(quiet["a"], running=200))
+    assert p.pick(full, busy, ["a", "b"], prompt_tokens=5000).pod == "b"
 
 
 def test_ttft_picker_worked_example_and_explain():

@@ -56,3 +56,35 @@ def test_pd_router_needs_both_roles():
         PDRouter(RouterConfig(engines=e, prefill=["a"]))
     with pytest.raises(ValueError):
         PDRouter(RouterConfig(engines=e, prefill=["a"], decode=["zzz"]))
+
+
+def test_command_line_redis_url_selects_the_shared_index():
+    c = build_config(["--engine", "p@http://127.0.0.1:1=tcp://127.0.0.1:2", "--redis-url", "redis://127.0.0.1:7/0"])
+    kbi = c.indexer_config("m").kv_block_index_config
+    assert kbi.backend == "redis" and kbi.redis_config.url == "redis://127.0.0.1:7/0"
+
+
+def test_replicas_on_one_redis_share_the_retained_entries(redis_url):
+    """Two P/D router replicas on one Redis: turn 1's entry (stored by A) is taken by B, once."""
+    from connector.redis_retained import RedisRetainedStore
+    from connector.retained import RetainedStore
+    from examples.router.pd import make_retained_store
+    from indexer import Config, Indexer
+    from tests.test_connector_retained import d_params
+
+    def replica(backend: str) -> Indexer:
+        return Indexer(Config.from_dict({
+            "model_name": "m",
+            "token_processor_config": {"block_size": 16},
+            "kv_block_index_config": {"backend": backend, "redis_config": {"url": redis_url,
+                                                                            "key_prefix": "pdunit:{r}:"}},
+        }))
+
+    with replica("redis") as a_ix, replica("redis") as b_ix, replica("native") as local:
+        a, b = make_retained_store(a_ix, 30.0), make_retained_store(b_ix, 30.0)
+        assert isinstance(a, RedisRetainedStore) and isinstance(make_retained_store(local, 30.0), RetainedStore)
+        tokens = list(range(1, 50))
+        keys = a_ix.token_processor.request_keys(tokens).tolist()
+        put = a.put("conv-r", "decode-0", d_params(len(tokens), "req-1"), tokens, keys)
+        got = b.take("conv-r")
+        assert got == put and a.take("conv-r") is None

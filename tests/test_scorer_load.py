@@ -97,6 +97,7 @@ def test_realistic_page_all_models():
     assert s.prefix_cache_hits == 30720.0 + 4096.0 + 50.0
     assert s.engines == 3
     assert (s.in_flight, s.scraped_at) == (0, None)
+    assert s.kv_capacity_tokens == 1024 * 32  # vllm:cache_config_info, engine 0 of tiny-llama only
 
 
 def test_realistic_page_one_model():
@@ -108,6 +109,7 @@ def test_realistic_page_one_model():
         prefix_cache_queries=49152.0,
         prefix_cache_hits=34816.0,
         engines=2,
+        kv_capacity_tokens=32768.0,
     )
     other = parse_vllm_metrics(VLLM_METRICS, model_name="other-model")
     assert (other.waiting, other.running, other.kv_usage, other.engines) == (11.0, 7.0, 0.9, 1)
@@ -266,6 +268,8 @@ engine_values = st.fixed_dictionaries(
         "usage": st.floats(0.0, 1.0),
         "queries": st.integers(0, 10**9),
         "hits": st.integers(0, 10**9),
+        "blocks": st.sampled_from(["0", "1", "4096", "x", ""]),
+        "block_size": st.sampled_from(["16", "64", "-1"]),
     }
 )
 
@@ -287,7 +291,10 @@ def test_pages_written_by_prometheus_client_match_oracle(engines, model):
     queries = Counter("vllm:prefix_cache_queries", "q", labels, registry=reg)
     hits = Counter("vllm:prefix_cache_hits", "h", labels, registry=reg)
     ttft = Histogram("vllm:time_to_first_token_seconds", "t", labels, registry=reg)
+    info = Gauge("vllm:cache_config_info", "c", ["block_size", "engine", "model_name", "num_gpu_blocks"],
+                 registry=reg)
     for (m, e), v in engines.items():
+        info.labels(v["block_size"], e, m, v["blocks"]).set(1)
         waiting.labels(m, e).set(v["waiting"])
         running.labels(m, e).set(v["running"])
         usage.labels(m, e).set(v["usage"])
@@ -303,6 +310,9 @@ def test_pages_written_by_prometheus_client_match_oracle(engines, model):
         assert got.kv_usage == pytest.approx(sum(v["usage"] for v in mine) / len(mine))
         assert got.prefix_cache_queries == sum(v["queries"] for v in mine)
         assert got.prefix_cache_hits == sum(v["hits"] for v in mine)
+        caps = [int(v["blocks"]) * int(v["block_size"]) for v in mine
+                if v["blocks"].isdigit() and int(v["blocks"]) > 0 and int(v["block_size"]) > 0]
+        assert got.kv_capacity_tokens == (float(sum(caps)) if caps else None)
     else:
         assert got == LoadSnapshot()
 

@@ -135,12 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"sim_seed002{suffix}.md").write_text("\n".join(md) + "\n")
         print("\n".join(md))
     if "3" in sections:
-        res = pd.sweep()
+        res = pd.sweep(new_fraction=pd.FITTED_NEW_FRACTION, contexts=(2000, 12000, 24000)) if args.quick else pd.sweep()
         (out / f"sim_seed000{suffix}.json").write_text(json.dumps(msgspec.to_builtins(res), indent=1))
         text = pd.table(res)
         (out / f"sim_seed000{suffix}.md").write_text(f"# Seed 000 in the simulator ({stamp['date']})\n\n{text}\n")
         if not args.no_plot:
-            pd.plot(res, out / "sim_seed000.png")
+            pd.plot(res, out / f"sim_seed000{suffix}.png")
         print(text)
     return 0
 

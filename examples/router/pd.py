@@ -46,7 +46,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -57,6 +57,10 @@ from connector.params import RejectCounter, params_from_json_body
 from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
 from examples.router.app import HOP_BY_HOP, Router, RouterConfig
+from indexer import Indexer
+
+if TYPE_CHECKING:
+    from connector.redis_retained import RedisRetainedStore
 
 __all__ = ["PDRouter", "PDTurn", "conversation_id_of"]
 
@@ -104,6 +108,25 @@ class PDTurn(msgspec.Struct, kw_only=True):
     ttft_ms: float = 0.0
 
 
+def make_retained_store(indexer: Indexer, ttl: float) -> RetainedStore | RedisRetainedStore:
+    """D's retained KV per conversation, kept where the router's index is.
+
+    With the index in Redis (``kv_block_index_config.backend: redis``) router
+    replicas share it, so they share the retained entries too
+    (:class:`connector.redis_retained.RedisRetainedStore` on the same server,
+    keys under the index's prefix + ``retained:``): turn 2 may land on another
+    replica and still pull D's KV, and an entry is taken once.  Otherwise the
+    in-memory :class:`connector.retained.RetainedStore`.  ``ttl`` in seconds.
+    """
+    ix_cfg = indexer.config.kv_block_index_config
+    if ix_cfg.backend == "redis":
+        from connector.redis_retained import RedisRetainedStore
+
+        return RedisRetainedStore(indexer.index, ttl=ttl, url=ix_cfg.redis_config.url,
+                                  key_prefix=ix_cfg.redis_config.key_prefix + "retained:")
+    return RetainedStore(indexer.index, ttl=ttl)
+
+
 class PDRouter(Router):
     """The router in P/D mode (see the module docstring).
 
@@ -142,7 +165,7 @@ class PDRouter(Router):
         await super().start()
         assert self.indexer is not None
         cfg = self.config
-        store = RetainedStore(self.indexer.index, ttl=cfg.retained_ttl)
+        store = make_retained_store(self.indexer, cfg.retained_ttl)
         self.planner = PDPlanner(
             self.indexer.index,
             self.indexer.token_processor,

@@ -1,0 +1,301 @@
+"""The decode-retained store in Redis: :class:`RedisRetainedStore`, shared by router replicas.
+
+Same interface as :class:`connector.retained.RetainedStore` (conversation_id
+-> what the decode pod D retained: D's kv_transfer_params, the tokens whose
+KV D holds and their request keys), so turn 2 of a conversation may land on
+another router replica and still pull D's KV.  Needs the ``redis`` package
+(``kvindex[redis]``); imported when the store is built.
+
+Layout (every key starts with ``key_prefix``):
+
+- ``r:<conversation_id>``: hash ``entry`` -> the :class:`RetainedEntry`
+  (msgpack), ``uses`` -> pulls left.  Its key TTL is the entry's TTL plus
+  ``grace`` seconds, so the server frees it even when no router is left.
+- ``rz``: sorted set conversation_id -> expiry (seconds, the Redis server's
+  clock: one clock for every replica).  An entry past its expiry is never
+  returned; :meth:`RedisRetainedStore.expire` (also run by put / get / take)
+  deletes such entries and takes their keys out of the index.
+
+Every operation is one Lua script, atomic on the server: :meth:`take` hands
+an entry to exactly one caller when two replicas take it at once (its use
+count goes down, and the entry is deleted with its last use).
+
+Differences from the in-memory store, stated: ``max_entries`` is not
+enforced (entries live at most their TTL; the server's memory is the
+bound); ``created`` / ``expiry`` of the entries are seconds on the Redis
+server's clock; counters in :meth:`stats` are this process's, ``entries``
+is the shared count.  An entry the server expired before any router ran
+:meth:`expire` (after ``ttl + grace``) leaves its keys in the index's held
+tier until the index's own ``held_ttl``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats
+from connector.params import RemoteKVParams
+from kvindex.tiers import DECODE_RETAINED
+
+__all__ = ["RedisRetainedStore", "DEFAULT_RETAINED_PREFIX"]
+
+#: Key prefix of the store when none is given.
+DEFAULT_RETAINED_PREFIX = "kvindex:{retained}:"
+
+_COMMON = r"""
+local P = ARGV[1]
+local RZ = P .. 'rz'
+local function rkey(cid) return P .. 'r:' .. cid end
+local function server_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+"""
+
+# ARGV: P, cid, blob, uses, expiry (s), key ttl (ms) -> {old blob or false, old was live 0/1}
+_PUT = r"""
+local k = rkey(ARGV[2])
+local old = redis.call('HGET', k, 'entry')
+local live = 0
+if old then
+  local e = redis.call('ZSCORE', RZ, ARGV[2])
+  if e and tonumber(e) > server_now() then live = 1 end
+end
+redis.call('DEL', k)
+redis.call('HSET', k, 'entry', ARGV[3], 'uses', ARGV[4])
+redis.call('PEXPIRE', k, ARGV[6])
+redis.call('ZADD', RZ, ARGV[5], ARGV[2])
+return {old or false, live}
+"""
+
+# ARGV: P, cid, consume (0/1) -> false | {blob, uses before, ended 0/1}
+_TAKE = r"""
+local cid = ARGV[2]
+local e = redis.call('ZSCORE', RZ, cid)
+if not e or tonumber(e) <= server_now() then return false end
+local k = rkey(cid)
+local v = redis.call('HMGET', k, 'entry', 'uses')
+if not v[1] then
+  redis.call('ZREM', RZ, cid)
+  return false
+end
+local uses = tonumber(v[2])
+if ARGV[3] ~= '1' then return {v[1], uses, 0} end
+if uses <= 1 then
+  redis.call('DEL', k)
+  redis.call('ZREM', RZ, cid)
+  return {v[1], uses, 1}
+end
+redis.call('HINCRBY', k, 'uses', -1)
+return {v[1], uses, 0}
+"""
+
+# ARGV: P, cid -> blob or false
+_DISCARD = r"""
+local k = rkey(ARGV[2])
+local old = redis.call('HGET', k, 'entry')
+redis.call('DEL', k)
+local live = redis.call('ZREM', RZ, ARGV[2])
+if live == 0 then return false end
+return old or false
+"""
+
+# ARGV: P, limit -> {blob or false, ...} of the entries that expired (deleted now)
+_EXPIRE = r"""
+local cids = redis.call('ZRANGEBYSCORE', RZ, '-inf', server_now(), 'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for _, cid in ipairs(cids) do
+  local k = rkey(cid)
+  out[#out + 1] = redis.call('HGET', k, 'entry') or false
+  redis.call('DEL', k)
+  redis.call('ZREM', RZ, cid)
+end
+return out
+"""
+
+# ARGV: P -> {live entries, conversation ids by expiry...}
+_LIVE = r"""
+local ids = redis.call('ZRANGEBYSCORE', RZ, '(' .. server_now(), '+inf')
+return ids
+"""
+
+
+class RedisRetainedStore:
+    """conversation_id -> :class:`RetainedEntry` in Redis, shared by router replicas.
+
+    Args:
+        index: where the entries are mirrored (tier ``tier``; usually the
+            shared :class:`kvindex.redis_index.RedisKVBlockIndex`); None = nowhere.
+        ttl: seconds an entry lives after D's answer was stored (0 < ttl;
+            default 450, below vLLM's decoder_kv_blocks_ttl of 480).
+        max_uses: pulls per entry (>= 1; default 1 = use once).
+        url / client: the Redis server (a ``redis.Redis`` client is shared).
+        key_prefix: prefix of the store's keys.
+        grace: seconds the server keeps an entry's key past its expiry, so
+            that :meth:`expire` can still take its keys out of the index.
+        tier: the index tier of the mirrored keys (default ``decode_retained``).
+
+    Raises:
+        ValueError: a non-positive ttl or max_uses, or neither url nor client.
+        redis.exceptions.ConnectionError: the server is unreachable (from any call).
+    """
+
+    def __init__(
+        self,
+        index: HeldIndex | None = None,
+        *,
+        ttl: float = DEFAULT_TTL,
+        max_uses: int = 1,
+        url: str | None = None,
+        client: Any = None,
+        key_prefix: str = DEFAULT_RETAINED_PREFIX,
+        grace: float = 60.0,
+        tier: str = DECODE_RETAINED,
+    ) -> None:
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 s, got {ttl}")
+        if max_uses < 1:
+            raise ValueError(f"max_uses must be >= 1, got {max_uses}")
+        if not grace >= 0:
+            raise ValueError(f"grace must be >= 0 s, got {grace}")
+        import redis
+
+        if client is None:
+            if url is None:
+                raise ValueError("the Redis retained store needs a url or a client")
+            client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=0.5)
+        self.client = client
+        self.index = index
+        self.ttl = float(ttl)
+        self.max_uses = max_uses
+        self.key_prefix = key_prefix
+        self.grace = float(grace)
+        self.tier = tier
+        self._scripts = {
+            name: client.register_script(_COMMON + body)
+            for name, body in (("put", _PUT), ("take", _TAKE), ("discard", _DISCARD), ("expire", _EXPIRE),
+                               ("live", _LIVE))
+        }
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(RetainedEntry).decode
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(("stored", "replaced", "used_up", "expired", "evicted", "discarded"), 0)
+
+    # ------------------------------------------------------------------ write
+
+    def put(
+        self,
+        conversation_id: str,
+        decode_pod: str,
+        params: RemoteKVParams,
+        tokens: Sequence[int] | np.ndarray,
+        request_keys: Sequence[int] | np.ndarray,
+    ) -> RetainedEntry:
+        """Store D's answer for ``conversation_id``, replacing any older entry (every replica sees it).
+
+        Raises ValueError as :meth:`connector.retained.RetainedStore.put`.
+        """
+        if not params.do_remote_decode:
+            raise ValueError("retained params must be D's answer (do_remote_decode true)")
+        toks = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+        n = params.remote_num_tokens if params.remote_num_tokens is not None else len(toks)
+        if n > len(toks):
+            raise ValueError(f"remote_num_tokens {n} > {len(toks)} tokens given")
+        keys = tuple(int(k) for k in (request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys))
+        if len(keys) > n:
+            raise ValueError(f"{len(keys)} request keys for {n} tokens")
+        self.expire()
+        sec, usec = self.client.time()
+        now = sec + usec / 1e6
+        entry = RetainedEntry(
+            conversation_id=conversation_id, decode_pod=decode_pod, params=params, tokens=tuple(toks[:n]),
+            request_keys=keys, created=now, expiry=now + self.ttl, uses_left=self.max_uses,
+        )
+        # held first: a reader never sees the entry without its index mirror
+        if self.index is not None and keys:
+            self.index.add_held(decode_pod, keys, self.tier)
+        old, live = self._scripts["put"](args=(
+            self.key_prefix, conversation_id, self._encode(entry), self.max_uses, repr(entry.expiry),
+            int((self.ttl + self.grace) * 1000),
+        ))
+        with self._lock:
+            self._c["stored"] += 1
+            if old:
+                self._c["replaced" if live else "expired"] += 1
+        if old:
+            self._unmirror(self._decode(old))
+        return entry
+
+    def take(self, conversation_id: str) -> RetainedEntry | None:
+        """Use the entry once (for a pull): returns it, or None if absent, expired or already used up.
+
+        Atomic on the server: of several replicas taking the same entry at
+        once, exactly as many as it has uses get it.
+        """
+        self.expire()
+        res = self._scripts["take"](args=(self.key_prefix, conversation_id, "1"))
+        if not res:
+            return None
+        blob, uses, ended = res
+        entry = msgspec.structs.replace(self._decode(blob), uses_left=int(uses))
+        if ended:
+            with self._lock:
+                self._c["used_up"] += 1
+            self._unmirror(entry)
+        return entry
+
+    def discard(self, conversation_id: str) -> bool:
+        """Forget the entry (e.g. the guard found nothing reusable); True if there was a live one."""
+        old = self._scripts["discard"](args=(self.key_prefix, conversation_id))
+        if not old:
+            return False
+        with self._lock:
+            self._c["discarded"] += 1
+        self._unmirror(self._decode(old))
+        return True
+
+    def expire(self, limit: int = 1000) -> int:
+        """Delete up to ``limit`` entries whose expiry has passed (any replica's); returns how many."""
+        blobs = self._scripts["expire"](args=(self.key_prefix, limit))
+        for blob in blobs:
+            if blob:
+                self._unmirror(self._decode(blob))
+        with self._lock:
+            self._c["expired"] += len(blobs)
+        return len(blobs)
+
+    # ------------------------------------------------------------------- read
+
+    def get(self, conversation_id: str) -> RetainedEntry | None:
+        """The live entry (spends no use), or None."""
+        res = self._scripts["take"](args=(self.key_prefix, conversation_id, "0"))
+        if not res:
+            return None
+        return msgspec.structs.replace(self._decode(res[0]), uses_left=int(res[1]))
+
+    def __len__(self) -> int:
+        return len(self.conversations())
+
+    def __contains__(self, conversation_id: object) -> bool:
+        return isinstance(conversation_id, str) and self.get(conversation_id) is not None
+
+    def conversations(self) -> list[str]:
+        """Live conversation ids, soonest to expire first."""
+        return [c.decode() for c in self._scripts["live"](args=(self.key_prefix,))]
+
+    def stats(self) -> RetainedStats:
+        """This process's counters and the shared number of live entries (see :class:`RetainedStats`)."""
+        n = len(self)
+        with self._lock:
+            return RetainedStats(entries=n, **self._c)
+
+    # -------------------------------------------------------------- internals
+
+    def _unmirror(self, entry: RetainedEntry) -> None:
+        if self.index is not None and entry.request_keys:
+            self.index.remove_held(entry.decode_pod, entry.request_keys, self.tier)

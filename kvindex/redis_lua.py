@@ -1,0 +1,660 @@
+"""Server-side scripts of :class:`kvindex.redis_index.RedisKVBlockIndex` (Lua, run with EVALSHA).
+
+Each public operation of the Redis backend is one script: it runs atomically
+on the server, so a reader never sees half of an event, and a script applied
+twice leaves the same state (every size counter changes only on a state
+transition the script itself observes, never by blind increments).
+
+Data layout: see the module docstring of :mod:`kvindex.redis_index`.
+Request and engine keys travel as decimal strings and are never used in Lua
+arithmetic (Lua numbers are doubles); tier masks fit in 31 bits and use the
+``bit`` library.  ``ARGV[1]`` of every script is the key prefix.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SCRIPTS"]
+
+# Helpers shared by the scripts (prepended to each).
+_COMMON = r"""
+local P = ARGV[1]
+local LRU = P .. 'lru'
+local PK = P .. 'pk'
+local N = P .. 'n'
+local XPODS = P .. 'xpods'
+local HPODS = P .. 'hpods'
+local L2ORDER = P .. 'l2order'
+local function bkey(rk) return P .. 'b:' .. rk end
+local function skey(mid, rank, pod) return P .. 's:' .. mid .. ':' .. rank .. ':' .. pod end
+local function pskey(pod) return P .. 'ps:' .. pod end
+local function ekey(mid) return P .. 'e:' .. mid end
+local function xkey(pod) return P .. 'x:' .. pod end
+local function hkey(pod) return P .. 'h:' .. pod end
+local function hckey(pod) return P .. 'hc:' .. pod end
+local function pmkey(pod) return P .. 'pm:' .. pod end
+
+-- "mask:ek:mid" of a level-1 rank entry
+local function parse_entry(v)
+  local a = string.find(v, ':', 1, true)
+  local b = string.find(v, ':', a + 1, true)
+  return tonumber(string.sub(v, 1, a - 1)), string.sub(v, a + 1, b - 1), string.sub(v, b + 1)
+end
+
+-- field 'r:<rank>:<pod>' -> rank, pod (nil for other fields)
+local function parse_rfield(f)
+  if string.sub(f, 1, 2) ~= 'r:' then return nil end
+  local c = string.find(f, ':', 3, true)
+  return string.sub(f, 3, c - 1), string.sub(f, c + 1)
+end
+
+local function now_arg(v)
+  if v ~= nil and v ~= '' then return tonumber(v) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+-- drop expired speculative entries of every pod; returns how many
+local function reap(now)
+  local n = 0
+  for _, pod in ipairs(redis.call('SMEMBERS', XPODS)) do
+    n = n + redis.call('ZREMRANGEBYSCORE', xkey(pod), '-inf', now)
+    if redis.call('EXISTS', xkey(pod)) == 0 then redis.call('SREM', XPODS, pod) end
+  end
+  return n
+end
+
+local function unref(ek, mid, compat)
+  if compat then return end
+  local e = ekey(mid)
+  local v = redis.call('HGET', e, ek)
+  if not v then return end
+  local c = string.find(v, ':', 1, true)
+  local cnt = tonumber(string.sub(v, c + 1)) - 1
+  if cnt <= 0 then
+    redis.call('HDEL', e, ek)
+    redis.call('HINCRBY', N, 'engine_keys', -1)
+    if redis.call('EXISTS', e) == 0 then redis.call('ZREM', L2ORDER, mid) end
+  else
+    redis.call('HSET', e, ek, string.sub(v, 1, c) .. cnt)
+  end
+end
+
+-- remove stream field ek (if it maps to rk); keeps the per-pod stream set current
+local function unlink(pod, rank, mid, ek, rk, compat)
+  local sk = skey(mid, rank, pod)
+  if redis.call('HGET', sk, ek) == rk then
+    redis.call('HDEL', sk, ek)
+    redis.call('HINCRBY', N, 'entries', -1)
+    unref(ek, mid, compat)
+    if redis.call('EXISTS', sk) == 0 then redis.call('SREM', pskey(pod), mid .. ':' .. rank) end
+  end
+end
+
+-- OR of the masks of pod's rank entries in block hash bk, and how many there are
+local function pod_ranks(bk, pod)
+  local all = redis.call('HGETALL', bk)
+  local m, n = 0, 0
+  for i = 1, #all, 2 do
+    local r, p = parse_rfield(all[i])
+    if p == pod then
+      local mask = parse_entry(all[i + 1])
+      m = bit.bor(m, mask)
+      n = n + 1
+    end
+  end
+  return m, n
+end
+
+-- A value longer than hash-max-listpack-value (64 bytes by default) makes Redis keep the hash as a
+-- hash table: HMGET of many fields is then O(1) per field (a listpack is scanned for each field).
+local WIDE = string.rep('-', 80)
+
+local function set_pod_mask(rk, pod, mask)
+  local pm = pmkey(pod)
+  if redis.call('HSET', pm, rk, mask) == 1 then
+    if redis.call('HINCRBY', PK, pod, 1) == 1 then redis.call('HSET', pm, '~', WIDE) end
+  end
+end
+
+local function drop_pod_mask(rk, pod)
+  if redis.call('HDEL', pmkey(pod), rk) == 1 then
+    if redis.call('HINCRBY', PK, pod, -1) <= 0 then
+      redis.call('HDEL', PK, pod)
+      redis.call('DEL', pmkey(pod))
+    end
+  end
+end
+
+-- after a rank entry of pod left block rk: refresh or drop the pod's mask, drop an empty block
+local function settle_pod(rk, pod)
+  local bk = bkey(rk)
+  local m, n = pod_ranks(bk, pod)
+  if n > 0 then
+    set_pod_mask(rk, pod, m)
+  else
+    drop_pod_mask(rk, pod)
+    if redis.call('EXISTS', bk) == 0 then redis.call('ZREM', LRU, rk) end
+  end
+end
+
+-- clear bit (-1: all) of (pod, rank)'s copy of rk; true if it held that tier
+local function drop_copy(pod, rank, ek, rk, bitv, compat)
+  local bk = bkey(rk)
+  local rf = 'r:' .. rank .. ':' .. pod
+  local v = redis.call('HGET', bk, rf)
+  if not v then return false end
+  local mask, eek, emid = parse_entry(v)
+  if bit.band(mask, bitv) == 0 then return false end
+  mask = bit.band(mask, bit.bnot(bitv))
+  if mask == 0 then
+    redis.call('HDEL', bk, rf)
+    unlink(pod, rank, emid, ek, rk, compat)
+    settle_pod(rk, pod)
+    return true
+  end
+  redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
+  local m = pod_ranks(bk, pod)
+  set_pod_mask(rk, pod, m)
+  return true
+end
+
+local evictions = 0
+local function evict_one(compat)
+  local popped = redis.call('ZPOPMIN', LRU)
+  if #popped == 0 then return end
+  local rk = popped[1]
+  local bk = bkey(rk)
+  local all = redis.call('HGETALL', bk)
+  for i = 1, #all, 2 do
+    local rank, pod = parse_rfield(all[i])
+    if rank then
+      drop_pod_mask(rk, pod)
+      local _, ek, mid = parse_entry(all[i + 1])
+      unlink(pod, rank, mid, ek, rk, compat)
+    end
+  end
+  redis.call('DEL', bk)
+  evictions = evictions + 1
+end
+
+local confirmed = 0
+local stored = 0
+-- map ek -> rk for the stream (and level 2); count the store; confirm a speculative entry
+local function link(pod, rank, mid, ek, rk, compat)
+  local sk = skey(mid, rank, pod)
+  local old = redis.call('HGET', sk, ek)
+  if old ~= rk then
+    if not old then redis.call('HINCRBY', N, 'entries', 1) end
+    redis.call('HSET', sk, ek, rk)
+    redis.call('SADD', pskey(pod), mid .. ':' .. rank)
+    if not compat then
+      local e = ekey(mid)
+      local v = redis.call('HGET', e, ek)
+      if not v then
+        if redis.call('EXISTS', e) == 0 then
+          redis.call('ZADD', L2ORDER, 'NX', redis.call('INCR', P .. 'tick'), mid)
+        end
+        redis.call('HSET', e, ek, rk .. ':1')
+        redis.call('HINCRBY', N, 'engine_keys', 1)
+      else
+        local c = string.find(v, ':', 1, true)
+        redis.call('HSET', e, ek, rk .. ':' .. (tonumber(string.sub(v, c + 1)) + 1))
+      end
+    end
+  end
+  stored = stored + 1
+  if redis.call('ZREM', xkey(pod), rk) == 1 then
+    confirmed = confirmed + 1
+    if redis.call('EXISTS', xkey(pod)) == 0 then redis.call('SREM', XPODS, pod) end
+  end
+end
+
+-- record that (pod, rank, mid) holds rk as ek in tier bitv
+local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
+  local sk = skey(mid, rank, pod)
+  local old = redis.call('HGET', sk, ek)
+  if old and old ~= rk then drop_copy(pod, rank, ek, old, -1, compat) end
+  local bk = bkey(rk)
+  local tick = redis.call('INCR', P .. 'tick')
+  if redis.call('EXISTS', bk) == 0 then
+    redis.call('ZADD', LRU, tick, rk)
+    if redis.call('ZCARD', LRU) > cap then evict_one(compat) end
+  else
+    redis.call('ZADD', LRU, tick, rk)
+  end
+  local rf = 'r:' .. rank .. ':' .. pod
+  local v = redis.call('HGET', bk, rf)
+  if not v then
+    redis.call('HSET', bk, rf, bitv .. ':' .. ek .. ':' .. mid)
+  else
+    local mask, eek, emid = parse_entry(v)
+    mask = bit.bor(mask, bitv)
+    if eek ~= ek then
+      if redis.call('HGET', sk, eek) == rk then
+        redis.call('HDEL', sk, eek)
+        redis.call('HINCRBY', N, 'entries', -1)
+        unref(eek, mid, compat)
+      end
+      eek = ek
+    end
+    redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
+  end
+  local pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0')
+  set_pod_mask(rk, pod, bit.bor(pm, bitv))
+  link(pod, rank, mid, ek, rk, compat)
+end
+
+local function resolve(pod, rank, mid, ek)
+  local rk = redis.call('HGET', skey(mid, rank, pod), ek)
+  if rk then return rk end
+  local v = redis.call('HGET', ekey(mid), ek)
+  if not v then return nil end
+  return string.sub(v, 1, string.find(v, ':', 1, true) - 1)
+end
+"""
+
+# ARGV: P, pod, rank, mid, bit, capacity, compat, then ek1, rk1, ek2, rk2, ...
+# -> {stored, evictions, confirmed}
+_STORE = r"""
+local pod, rank, mid, bitv, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local compat = ARGV[7] == '1'
+for i = 8, #ARGV, 2 do put(pod, rank, mid, ARGV[i], ARGV[i + 1], bitv, cap, compat) end
+return {stored, evictions, confirmed}
+"""
+
+# A token-less store: ARGV: P, pod, rank, mid, bit, capacity, compat, ek...
+# -> {stored, evictions, confirmed, unknown}
+_TOKENLESS = r"""
+local pod, rank, mid, bitv, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+local compat = ARGV[7] == '1'
+local unknown = 0
+for i = 8, #ARGV do
+  local ek = ARGV[i]
+  local rk
+  if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
+  if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
+end
+return {stored, evictions, confirmed, unknown}
+"""
+
+# ARGV: P, pod, rank, mid, ek -> rk or false
+_RESOLVE = r"""
+return resolve(ARGV[2], ARGV[3], ARGV[4], ARGV[5]) or false
+"""
+
+# ARGV: P, pod, rank, mid ('' = model unknown here), bit, compat, ek... -> {hit 0/1 per ek}
+_REMOVE = r"""
+local pod, rank, mid, bitv = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local compat = ARGV[6] == '1'
+local out = {}
+for i = 7, #ARGV do
+  local ek = ARGV[i]
+  local hit = 0
+  if mid ~= '' then
+    local rk = redis.call('HGET', skey(mid, rank, pod), ek)
+    if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hit = 1 end
+  end
+  out[#out + 1] = hit
+end
+return out
+"""
+
+# ARGV: P, pod, rank ('' = every rank), mid ('' = every model, '-' = none), compat
+# -> entries removed (rank entries + held keys + speculative entries when the whole pod goes)
+_CLEAR = r"""
+local pod, rank, mid = ARGV[2], ARGV[3], ARGV[4]
+local compat = ARGV[5] == '1'
+local n = 0
+if mid ~= '-' then
+  for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+    local c = string.find(s, ':', 1, true)
+    local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
+    if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
+      local sk = skey(smid, srank, pod)
+      local m = redis.call('HGETALL', sk)
+      redis.call('DEL', sk)
+      redis.call('SREM', pskey(pod), s)
+      local rf = 'r:' .. srank .. ':' .. pod
+      for i = 1, #m, 2 do
+        local ek, rk = m[i], m[i + 1]
+        redis.call('HINCRBY', N, 'entries', -1)
+        unref(ek, smid, compat)
+        if redis.call('HDEL', bkey(rk), rf) == 1 then
+          n = n + 1
+          settle_pod(rk, pod)
+        end
+      end
+    end
+  end
+end
+if rank == '' and mid == '' then
+  n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
+  redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
+  redis.call('SREM', HPODS, pod)
+  redis.call('SREM', XPODS, pod)
+end
+return n
+"""
+
+# ARGV: P, pod, now ('' = server time), ttl, expiry ('' = now + ttl), keep (ms, 0 = no key TTL), rk...
+# -> speculative entries expired by the reaping
+_SPECULATIVE = r"""
+local pod = ARGV[2]
+local now = now_arg(ARGV[3])
+local expiry = ARGV[5]
+if expiry == '' then expiry = now + tonumber(ARGV[4]) end
+local expired = reap(now)
+local xk = xkey(pod)
+local added = false
+for i = 7, #ARGV do
+  local rk = ARGV[i]
+  if redis.call('HEXISTS', pmkey(pod), rk) == 0 then
+    redis.call('ZADD', xk, expiry, rk)
+    added = true
+  end
+end
+if added then
+  redis.call('SADD', XPODS, pod)
+  local keep = tonumber(ARGV[6])
+  if keep > 0 then
+    if redis.call('PTTL', xk) < keep then redis.call('PEXPIRE', xk, keep) end
+  end
+end
+return expired
+"""
+
+# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys...
+# -> {expired, pod1, {mask, run length, mask, run length, ...}, pod2, {...}, ...} (the masks run-length coded)
+_MATCH = r"""
+local now = now_arg(ARGV[2])
+local gpu = tonumber(ARGV[3])
+local touch = ARGV[4] == '1'
+local npods = tonumber(ARGV[5])
+local expired = reap(now)
+local cands = {}
+local kstart
+if npods < 0 then
+  local seen = {}
+  for _, p in ipairs(redis.call('HKEYS', PK)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
+  for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
+  for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
+  kstart = 6
+else
+  local seen = {}
+  for i = 6, 5 + npods do
+    local p = ARGV[i]
+    if not seen[p] then seen[p] = true; cands[#cands + 1] = p end
+  end
+  kstart = 6 + npods
+end
+-- per candidate: does it have held or speculative entries?
+local alive, held, spec, masks = {}, {}, {}, {}
+for _, p in ipairs(cands) do
+  local h = redis.call('EXISTS', hkey(p)) == 1
+  local x = redis.call('EXISTS', xkey(p)) == 1
+  if h or x or redis.call('HEXISTS', PK, p) == 1 then
+    alive[#alive + 1] = p
+    held[p] = h
+    spec[p] = x
+    masks[p] = {}
+  end
+end
+local nkeys = #ARGV - kstart + 1
+local longest = 0
+-- per pod: HMGET of its masks in growing chunks (64, 128, ...) until its first miss
+for _, p in ipairs(alive) do
+  local ms = masks[p]
+  local i, chunk, done = 0, 64, false
+  while not done and i < nkeys do
+    local n = math.min(chunk, nkeys - i)
+    local vals = redis.call('HMGET', pmkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1))
+    local hv = nil
+    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1)) end
+    for j = 1, n do
+      local m = vals[j]
+      if m then m = tonumber(m) else m = nil end
+      if hv and hv[j] then m = bit.bor(m or 0, tonumber(hv[j])) end
+      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), ARGV[kstart + i + j - 1]) then m = gpu end
+      if m == nil then done = true; break end
+      ms[#ms + 1] = m
+    end
+    i = i + n
+    chunk = chunk * 2
+  end
+  if #ms > longest then longest = #ms end
+end
+if touch and longest > 0 then
+  local top = redis.call('INCRBY', P .. 'tick', longest)
+  local k = 1
+  while k <= longest do
+    local args = {'XX'}
+    local stop = math.min(longest, k + 255)
+    for q = k, stop do
+      args[#args + 1] = top - longest + q
+      args[#args + 1] = ARGV[kstart + q - 1]
+    end
+    redis.call('ZADD', LRU, unpack(args))
+    k = stop + 1
+  end
+end
+local out = {expired}
+for _, p in ipairs(cands) do
+  local ms = masks[p]
+  if ms and #ms > 0 then
+    local rle = {}
+    local cur, run = ms[1], 0
+    for _, m in ipairs(ms) do
+      if m == cur then run = run + 1 else
+        rle[#rle + 1] = cur; rle[#rle + 1] = run
+        cur, run = m, 1
+      end
+    end
+    rle[#rle + 1] = cur; rle[#rle + 1] = run
+    out[#out + 1] = p
+    out[#out + 1] = rle
+  end
+end
+return out
+"""
+
+# ARGV: P, now, keys... -> {expired, per key {{pod, rank, mask, ...}, {held pod, mask, ...}, {spec pods}}}
+_LOOKUP = r"""
+local now = now_arg(ARGV[2])
+local expired = reap(now)
+local hpods = redis.call('SMEMBERS', HPODS)
+local xpods = redis.call('SMEMBERS', XPODS)
+local out = {expired}
+for i = 3, #ARGV do
+  local rk = ARGV[i]
+  local all = redis.call('HGETALL', bkey(rk))
+  local r = {}
+  for j = 1, #all, 2 do
+    local rank, pod = parse_rfield(all[j])
+    if rank then
+      local mask = parse_entry(all[j + 1])
+      r[#r + 1] = pod
+      r[#r + 1] = rank
+      r[#r + 1] = mask
+    end
+  end
+  local h = {}
+  for _, pod in ipairs(hpods) do
+    local m = redis.call('HGET', hkey(pod), rk)
+    if m then h[#h + 1] = pod; h[#h + 1] = m end
+  end
+  local x = {}
+  for _, pod in ipairs(xpods) do
+    if redis.call('ZSCORE', xkey(pod), rk) then x[#x + 1] = pod end
+  end
+  out[#out + 1] = {r, h, x}
+end
+return out
+"""
+
+# ARGV: P, pod, keys... -> best rank (string) or false
+_BEST_RANK = r"""
+local pod = ARGV[2]
+local ranks, seen = {}, {}
+for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+  local r = string.sub(s, string.find(s, ':', 1, true) + 1)
+  if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
+end
+if #ranks == 0 or #ARGV < 3 then return false end
+if #ranks == 1 then
+  -- one rank holds every block of the pod
+  if redis.call('HEXISTS', bkey(ARGV[3]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
+  return false
+end
+local alive = ranks
+local best = false
+for i = 3, #ARGV do
+  local fl = {}
+  for j, r in ipairs(alive) do fl[j] = 'r:' .. r .. ':' .. pod end
+  local vals = redis.call('HMGET', bkey(ARGV[i]), unpack(fl))
+  local nxt = {}
+  for j, r in ipairs(alive) do if vals[j] then nxt[#nxt + 1] = r end end
+  if #nxt == 0 then break end
+  alive = nxt
+  local b = nil
+  for _, r in ipairs(alive) do
+    if b == nil or tonumber(r) < tonumber(b) then b = r end
+  end
+  best = b
+end
+return best
+"""
+
+# ARGV: P, mid ('' = every model in level-2 order), compat, ek -> rk or false
+_REQUEST_KEY_OF = r"""
+local mid, compat, ek = ARGV[2], ARGV[3] == '1', ARGV[4]
+if compat then
+  for _, pod in ipairs(redis.call('HKEYS', PK)) do
+    for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+      local c = string.find(s, ':', 1, true)
+      local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
+      if (mid == '' or smid == mid) and redis.call('HEXISTS', skey(smid, srank, pod), ek) == 1 then return ek end
+    end
+  end
+  return false
+end
+local mids
+if mid == '' then mids = redis.call('ZRANGE', L2ORDER, 0, -1) else mids = {mid} end
+for _, m in ipairs(mids) do
+  local v = redis.call('HGET', ekey(m), ek)
+  if v then return string.sub(v, 1, string.find(v, ':', 1, true) - 1) end
+end
+return false
+"""
+
+# ARGV: P, pod, rank ('' = every rank) -> request keys
+_POD_KEYS = r"""
+local pod, rank = ARGV[2], ARGV[3]
+local out, seen = {}, {}
+for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+  local c = string.find(s, ':', 1, true)
+  local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
+  if rank == '' or srank == rank then
+    for _, rk in ipairs(redis.call('HVALS', skey(smid, srank, pod))) do
+      if not seen[rk] then seen[rk] = true; out[#out + 1] = rk end
+    end
+  end
+end
+return out
+"""
+
+# ARGV: P -> {pods with blocks..., '', held pods..., '', pods with speculative entries...}
+_PODS = r"""
+local out = redis.call('HKEYS', PK)
+out[#out + 1] = ''
+for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do out[#out + 1] = p end
+out[#out + 1] = ''
+for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
+  if redis.call('EXISTS', xkey(p)) == 1 then out[#out + 1] = p end
+end
+return out
+"""
+
+# ARGV: P -> {keys, entries, engine_keys, pods, speculative}
+_STATS = r"""
+local spec = 0
+for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do spec = spec + redis.call('ZCARD', xkey(p)) end
+return {redis.call('ZCARD', LRU), tonumber(redis.call('HGET', N, 'entries') or '0'),
+        tonumber(redis.call('HGET', N, 'engine_keys') or '0'), redis.call('HLEN', PK), spec}
+"""
+
+# ARGV: P, pod, bit, keep (ms, 0 = no key TTL), rk...
+_ADD_HELD = r"""
+local pod, bitv = ARGV[2], tonumber(ARGV[3])
+local hk, hc = hkey(pod), hckey(pod)
+for i = 5, #ARGV do
+  local rk = ARGV[i]
+  redis.call('HINCRBY', hc, rk .. ':' .. bitv, 1)
+  local m = tonumber(redis.call('HGET', hk, rk) or '0')
+  redis.call('HSET', hk, rk, bit.bor(m, bitv))
+end
+if #ARGV >= 5 then
+  redis.call('SADD', HPODS, pod)
+  local keep = tonumber(ARGV[4])
+  if keep > 0 then redis.call('PEXPIRE', hk, keep); redis.call('PEXPIRE', hc, keep) end
+end
+return 0
+"""
+
+# ARGV: P, pod, bit, rk... -> entries that ended
+_REMOVE_HELD = r"""
+local pod, bitv = ARGV[2], tonumber(ARGV[3])
+local hk, hc = hkey(pod), hckey(pod)
+local ended = 0
+for i = 4, #ARGV do
+  local rk = ARGV[i]
+  local f = rk .. ':' .. bitv
+  local c = redis.call('HGET', hc, f)
+  if c then
+    if tonumber(c) > 1 then
+      redis.call('HINCRBY', hc, f, -1)
+    else
+      redis.call('HDEL', hc, f)
+      ended = ended + 1
+      local m = bit.band(tonumber(redis.call('HGET', hk, rk) or '0'), bit.bnot(bitv))
+      if m == 0 then redis.call('HDEL', hk, rk) else redis.call('HSET', hk, rk, m) end
+    end
+  end
+end
+if redis.call('EXISTS', hk) == 0 then
+  redis.call('DEL', hc)
+  redis.call('SREM', HPODS, pod)
+end
+return ended
+"""
+
+# ARGV: P, model name -> the model's id (assigned on first use; 0 is reserved for no model)
+_MODEL_ID = r"""
+local v = redis.call('HGET', P .. 'mids', ARGV[2])
+if v then return tonumber(v) end
+local id = redis.call('INCR', P .. 'mid_seq')
+redis.call('HSET', P .. 'mids', ARGV[2], id)
+redis.call('HSET', P .. 'mnames', id, ARGV[2])
+return id
+"""
+
+SCRIPTS: dict[str, str] = {
+    name: _COMMON + body
+    for name, body in {
+        "store": _STORE,
+        "tokenless": _TOKENLESS,
+        "resolve": _RESOLVE,
+        "remove": _REMOVE,
+        "clear": _CLEAR,
+        "speculative": _SPECULATIVE,
+        "match": _MATCH,
+        "lookup": _LOOKUP,
+        "best_rank": _BEST_RANK,
+        "request_key_of": _REQUEST_KEY_OF,
+        "pod_keys": _POD_KEYS,
+        "pods": _PODS,
+        "stats": _STATS,
+        "add_held": _ADD_HELD,
+        "remove_held": _REMOVE_HELD,
+        "model_id": _MODEL_ID,
+    }.items()
+}

@@ -1,0 +1,176 @@
+"""The Redis backend (kvindex.redis_index) against the pure-Python reference, on a real redis-server.
+
+1. Every case of tests/test_index.py runs again on the Redis index.
+2. A hypothesis state machine drives the reference and the Redis index with
+   the same steps (the steps of tests/test_native_index.py: stores with known,
+   unknown and no parents, token-less stores, removals, clears, speculative
+   entries with a fake clock, held entries, a small LRU capacity and orphan
+   bound) and compares every read, sizes and counters.
+3. Idempotent writes: every event applied twice (as two replicas that both
+   ingest would) leaves the same shared state as once.
+4. The facade: ``backend: redis`` in the configuration selects it and scores
+   as the reference does.
+
+The engine-model test (tests/test_engine_model.py) runs with this backend too
+(its ``index_factory`` parameter ``redis``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis.stateful import initialize, run_state_machine_as_test
+
+import tests.test_index as reference_cases
+import tests.test_native_index as native_cases
+from indexer import Config, Indexer
+from kvindex import make_index
+from kvindex.index import KVBlockIndex
+from kvindex.protocol import KVIndex
+from kvindex.redis_index import RedisKVBlockIndex
+from tests.test_native_index import BS, PODS, RANKS, TIERS, U
+
+_prefixes = itertools.count()
+
+
+def fresh(url: str):
+    """A factory of Redis indexes with the reference's signature, each under its own key prefix."""
+
+    def make(token_processor=None, **kw):
+        return RedisKVBlockIndex(token_processor, url=url, key_prefix=f"t{next(_prefixes)}:", **kw)
+
+    return make
+
+
+# -- 1. the reference's own cases
+
+REFERENCE_CASES = sorted(n for n in dir(reference_cases) if n.startswith("test_"))
+
+
+@pytest.mark.parametrize("name", REFERENCE_CASES)
+def test_reference_case_on_redis(name, monkeypatch, redis_url):
+    monkeypatch.setattr(reference_cases, "KVBlockIndex", fresh(redis_url))
+    getattr(reference_cases, name)()
+
+
+def test_protocol_and_selection(redis_url):
+    tp = U.tp
+    ix = make_index("redis", tp, redis_url=redis_url, key_prefix="sel:")
+    assert isinstance(ix, RedisKVBlockIndex) and isinstance(ix, KVIndex)
+    assert ix.key_prefix == "sel:"
+    with pytest.raises(ValueError):
+        RedisKVBlockIndex(tp)  # neither url nor client
+    cfg = Config.from_dict({"kv_block_index_config": {"backend": "redis", "redis_config": {"url": redis_url}}})
+    assert type(Indexer(cfg).index) is RedisKVBlockIndex
+    with pytest.raises(ValueError):
+        Config.from_dict({"kv_block_index_config": {"redis_config": {"key_prefix": ""}}})
+
+
+# -- 2. the same steps on the reference and on Redis
+
+
+class RedisSameSteps(native_cases.SameSteps):
+    """tests/test_native_index.SameSteps with the Redis index as the second implementation."""
+
+    url = ""
+
+    @initialize(capacity=st.sampled_from([3, 8, 1_000]), orphans=st.sampled_from([0, 4, 100]))
+    def build(self, capacity, orphans):
+        clock = lambda: self.now[0]  # noqa: E731
+        self.ixs = [
+            KVBlockIndex(U.tp, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
+            RedisKVBlockIndex(U.tp, capacity=capacity, max_orphan_blocks=orphans, clock=clock, url=self.url,
+                              key_prefix=f"ss{next(_prefixes)}:"),
+        ]
+
+
+def test_same_steps_as_the_reference(redis_url, monkeypatch):
+    # the invariant ends with the compiled index's self-check: not here
+    monkeypatch.setattr(RedisKVBlockIndex, "check", lambda self: None, raising=False)
+    machine = type("Machine", (RedisSameSteps,), {"url": redis_url})
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=15, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck),
+    ))
+
+
+# -- 3. idempotent writes
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "store", "offload", "remove", "clear"]), st.sampled_from(PODS),
+            st.sampled_from(RANKS), st.integers(0, len(U.paths) - 1), st.integers(1, 6), st.sampled_from(TIERS),
+        ),
+        max_size=25,
+    )
+)
+def test_every_event_applied_twice_changes_nothing(redis_url, steps):
+    once = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"once{next(_prefixes)}:")
+    twice = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=f"twice{next(_prefixes)}:")
+    # a second replica's client on the same prefix as ``twice``
+    twin = RedisKVBlockIndex(U.tp, url=redis_url, key_prefix=twice.key_prefix)
+
+    def apply(ix, kind, pod, rank, path, n, tier):
+        eks = [U.ek(path, k) for k in range(n)]
+        if kind == "store":
+            ix.block_stored(pod, rank, eks, None, list(U.tokens(path, 0, n)), tier, block_size=BS)
+        elif kind == "offload":
+            ix.block_stored(pod, rank, eks[-1:], None, None, tier)
+        elif kind == "remove":
+            ix.block_removed(pod, rank, eks[-1:], tier)
+        else:
+            ix.clear(pod, rank)
+
+    for step in steps:
+        apply(once, *step)
+        apply(twice, *step)
+        apply(twin, *step)
+    for p in range(len(U.paths)):
+        keys = U.request_keys(p)
+        assert twice.prefix_match(keys) == once.prefix_match(keys)
+        assert twin.lookup(keys) == once.lookup(keys)
+    a, b = once.stats(), twice.stats()
+    assert (a.keys, a.entries, a.engine_keys, a.pods) == (b.keys, b.entries, b.engine_keys, b.pods)
+    for pod in PODS:
+        assert twice.pod_keys(pod) == once.pod_keys(pod)
+
+
+# -- 4. the facade
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    stores=st.lists(
+        st.tuples(st.sampled_from(PODS), st.sampled_from(RANKS), st.integers(0, len(U.paths) - 1),
+                  st.integers(1, 6), st.sampled_from(TIERS)),
+        max_size=12,
+    ),
+    path=st.integers(0, len(U.paths) - 1),
+    extra_tokens=st.integers(0, 7),
+    pods=st.none() | st.lists(st.sampled_from(PODS + ["zz"]), min_size=1, max_size=4),
+)
+def test_indexer_scores_as_the_reference(redis_url, stores, path, extra_tokens, pods):
+    def indexer(backend, prefix=None):
+        kv: dict = {"backend": backend}
+        if prefix is not None:
+            kv["redis_config"] = {"url": redis_url, "key_prefix": prefix}
+        return Indexer(Config.from_dict({
+            "token_processor_config": {"block_size": BS, "hash_seed": 11},
+            "kv_block_index_config": kv,
+            "scorer_config": {"tier_weights": {"gpu": 1.0, "cpu": 0.7, "storage": 0.3}},
+        }))
+
+    ixs = [indexer("python"), indexer("redis", f"ix{next(_prefixes)}:")]
+    for ix in ixs:
+        for pod, rank, p, n, tier in stores:
+            eks = [U.ek(p, k) for k in range(n)]
+            ix.index.block_stored(pod, rank, eks, None, list(U.tokens(p, 0, n)), tier, block_size=BS)
+    tokens = np.array(list(U.paths[path]) + list(range(extra_tokens)), dtype=np.int64)
+    a, b = (ix.score(tokens, pods) for ix in ixs)
+    assert a == b
