@@ -86,6 +86,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_event_restarts": ("counter", (), "Engine restarts confirmed (their streams cleared)."),
     "kvindex_event_dropped_messages": ("counter", (), "Messages dropped by the overflow policy (full shard queue)."),
     "kvindex_event_resyncs": ("counter", (), "Replays started by the overflow policy."),
+    "kvindex_event_index_unavailable": (
+        "counter", (), "Events not applied because the index's store (Redis) was unreachable."),
+    "kvindex_event_rebuilds": ("counter", (), "Streams cleared and rebuilt from their engine's buffer after the index lost writes."),
     "kvindex_event_queue_messages": ("gauge", (), "Messages waiting in the shard queues."),
     "kvindex_event_queue_capacity_messages": ("gauge", (), "Bound of the shard queues, summed over shards."),
     # index
@@ -226,6 +229,8 @@ class KVIndexMetrics(Collector):
             ("kvindex_event_restarts", ev.restarts),
             ("kvindex_event_dropped_messages", ev.dropped_messages),
             ("kvindex_event_resyncs", ev.resyncs),
+            ("kvindex_event_index_unavailable", getattr(ev, "index_unavailable", 0)),
+            ("kvindex_event_rebuilds", getattr(ev, "rebuilds", 0)),
             ("kvindex_event_queue_messages", ev.queued),
             ("kvindex_event_queue_capacity_messages", ix.pool.queue_size * ix.pool.concurrency),
         ):

@@ -123,6 +123,8 @@ def test_exposition_equals_stats_after_real_traffic(backend: str) -> None:
             ("kvindex_event_restarts_total", ev.restarts),
             ("kvindex_event_dropped_messages_total", ev.dropped_messages),
             ("kvindex_event_resyncs_total", ev.resyncs),
+            ("kvindex_event_index_unavailable_total", ev.index_unavailable),
+            ("kvindex_event_rebuilds_total", ev.rebuilds),
             ("kvindex_event_queue_messages", ev.queued),
             ("kvindex_event_queue_capacity_messages", 2 * cfg.kv_events_config.queue_size),
             ("kvindex_streams_incomplete", ev.incomplete_streams),
