@@ -176,7 +176,7 @@ class _Stream:
     """One publisher stream (pod, model, DP rank): its sequencer plus what the shard needs to act."""
 
     __slots__ = (
-        "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why",
+        "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses",
         "messages", "batches", "events", "clears", "stored", "removed",
     )
 
@@ -196,6 +196,7 @@ class _Stream:
         self.clears = 0
         self.stored: dict[str, int] = {}  # tier -> blocks stored
         self.removed: dict[str, int] = {}  # tier -> blocks removed
+        self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
 
 
 class StreamCounters(NamedTuple):
@@ -235,6 +236,9 @@ class StreamState(NamedTuple):
         complete; None if it never was.
     last_seq: last applied seq (None before the first batch or after a clear).
     why: what last changed the flag (free text, for logs and explanations).
+    losses: how many times the stream lost state so far (it became
+        incomplete, was cleared, or applied a batch with a malformed event);
+        a change means a new loss even while the stream stays incomplete.
     """
 
     pod: str
@@ -244,6 +248,7 @@ class StreamState(NamedTuple):
     since: float | None
     last_seq: int | None
     why: str
+    losses: int = 0
 
 
 class _Flush(NamedTuple):
@@ -433,6 +438,8 @@ class _Shard:
         for a in actions:
             t = type(a)
             if t is Apply:
+                if a.batch.lossy:
+                    st.losses += 1
                 self._apply(st, a.batch.body)
             elif t is Count:
                 setattr(c, a.name, getattr(c, a.name) + a.n)
@@ -440,6 +447,7 @@ class _Shard:
                 self.pool.rlog.warn(
                     "clear", "pod %s model %s rank %s: clearing (%s)", st.pod, st.model, st.rank, a.why
                 )
+                st.losses += 1
                 try:
                     self.pool.index.clear(st.pod, st.rank, model=st.model)
                 except IndexUnavailable as exc:
@@ -448,6 +456,8 @@ class _Shard:
                 st.why = a.why
                 if a.complete:
                     st.complete_since = time.monotonic()
+                else:
+                    st.losses += 1
             elif t is Replay:
                 self._replay(st, a.start)
             elif t is Confirm:
@@ -464,6 +474,8 @@ class _Shard:
             st.events += 1
             try:
                 if type(ev) is BlockStored:
+                    if self.pool.store_observers:
+                        self._observe(st, ev)
                     index.block_stored(
                         pod, rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
                         block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
@@ -495,6 +507,14 @@ class _Shard:
             )
         for kind in batch.bad_events:
             self._error(kind, f"pod {pod}: a malformed event ({kind}) was left out of its batch")
+
+    def _observe(self, st: _Stream, ev: BlockStored) -> None:
+        """Show a BlockStored to the pool's store observers before it is applied (never raises)."""
+        for fn in self.pool.store_observers:
+            try:
+                fn(st.pod, st.rank, st.model, ev)
+            except Exception as exc:
+                self._error("observer", f"store observer {fn!r} failed: {type(exc).__name__}: {exc}")
 
     # -- replay
 
@@ -683,6 +703,9 @@ class EventPool:
         self._lock = threading.Lock()
         self._shards = [_Shard(self, i) for i in range(concurrency)]
         self._started = False
+        #: callables ``fn(pod, dp_rank, model, event)`` shown every BlockStored just before it is
+        #: applied, on the shard's thread (see :meth:`add_store_observer`)
+        self.store_observers: tuple[Callable[[str, int, str | None, BlockStored], None], ...] = ()
 
     # -- lifecycle
 
@@ -711,6 +734,21 @@ class EventPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def add_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+        """Call ``fn(pod, dp_rank, model, event)`` for every BlockStored just before the index applies it.
+
+        Runs on the shard's worker thread, so the index still shows the
+        stream's state before the event (e.g. :class:`indexer.healing.HealingPolicy`
+        counts the re-announced blocks it did not hold).  ``fn`` must be quick
+        and thread-safe; an exception it raises is counted (``observer``) and
+        the event is applied anyway.
+        """
+        self.store_observers = (*self.store_observers, fn)
+
+    def remove_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+        """Stop calling ``fn`` (no error when it was not added)."""
+        self.store_observers = tuple(f for f in self.store_observers if f != fn)
 
     # -- input
 
@@ -875,6 +913,8 @@ class EventPool:
             for st in list(s.streams.values()):
                 if pod is None or st.pod == pod:
                     sq = st.seq
-                    out.append(StreamState(st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why))
+                    out.append(StreamState(
+                        st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why, st.losses
+                    ))
         out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
         return out

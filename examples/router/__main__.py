@@ -66,6 +66,10 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--retained-ttl", type=float, help="P/D: seconds D's retained KV is offered (default 450)")
     p.add_argument("--no-guard", action="store_true", help="P/D: send D's params unclipped (comparisons only)")
     p.add_argument("--pd-stream", choices=("buffer", "passthrough"), help="P/D: streaming clients (default buffer)")
+    p.add_argument(
+        "--no-healing", action="store_true",
+        help="never add kv_cache_report_mode full to requests for pods whose index state is incomplete",
+    )
     p.add_argument("--model", help="served model name (default: ask the first engine's /v1/models)")
     p.add_argument("--block-size", type=int, help="tokens per block, = the engines' --block-size (default 32)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -105,6 +109,8 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
                 data[key] = value
         if args.no_guard:
             data["guard"] = False
+        if args.no_healing:
+            data["healing"] = False
         if args.redis_url:
             ix = data.setdefault("indexer", {})
             kbi = ix.setdefault("kv_block_index_config", {})

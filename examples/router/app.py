@@ -76,6 +76,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.registry import Collector
 
 from indexer import Config, Indexer
+from indexer.healing import HealingPolicy, with_full_report
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import fetch_load
 from scorer.prefix import predicted_cached_tokens
@@ -186,6 +187,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     pd_stream: P/D, clients asking to stream: ``buffer`` (D answers
         non-streaming, re-emitted as events; KV reuse kept) or ``passthrough``
         (D streams; the conversation's retained KV is not reused).
+    healing: add ``vllm_xargs.kv_cache_report_mode = "full"`` to requests sent
+        to a pod whose index state is incomplete, until
+        :class:`indexer.healing.HealingPolicy` judges it healed.
+    heal_quiet_requests, heal_max_requests: the policy's ``quiet_requests``
+        and ``max_requests``.
     """
 
     engines: list[EngineSpec] = msgspec.field(default_factory=list)
@@ -204,6 +210,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     retained_ttl: float = 450.0
     guard: bool = True
     pd_stream: Literal["buffer", "passthrough"] = "buffer"
+    healing: bool = True
+    heal_quiet_requests: int = 8
+    heal_max_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -306,6 +315,7 @@ class Decision(msgspec.Struct, kw_only=True):
     prompt_tokens: tokens scored; request_blocks: their full blocks.
     matched_tokens: prefix the index holds on the chosen pod (tokens).
     predicted_cached_tokens: see :func:`predicted_cached_tokens`.
+    full_report: the request was sent with ``kv_cache_report_mode: "full"`` (healing).
     matched: pod -> matched prefix tokens, for every candidate.
     totals: pod -> picker total, for every candidate.
     stream: the request asked for server-sent events.
@@ -325,6 +335,7 @@ class Decision(msgspec.Struct, kw_only=True):
     matched_tokens: int
     predicted_cached_tokens: int
     matched: dict[str, int]
+    full_report: bool = False
     totals: dict[str, float]
     stream: bool
     status: int | None = None
@@ -377,6 +388,7 @@ class Router:
         self.engines: dict[str, EngineSpec] = {e.pod: e for e in config.engines}
         self.model: str | None = config.model
         self.indexer: Indexer | None = None
+        self.healing: HealingPolicy | None = None
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=config.decision_log_size)
         self.healthy: dict[str, bool] = dict.fromkeys(self.engines, False)
         self._ids = itertools.count(1)
@@ -421,6 +433,12 @@ class Router:
         self.m_healthy = Gauge(
             "kvindex_router_engine_up", "1 when the engine's /metrics answered at the last refresh.", ["pod"], registry=r
         )
+        self.m_full_reports = Counter(
+            "kvindex_router_full_reports",
+            "Requests sent with kv_cache_report_mode full to heal a pod's incomplete index state, by pod.",
+            ["pod"],
+            registry=r,
+        )
         self.m_scrape_errors = Counter(
             "kvindex_router_engine_scrape_errors", "Failed /metrics refreshes, by pod.", ["pod"], registry=r
         )
@@ -464,6 +482,12 @@ class Router:
             if self.model is None:
                 self.model = await self._discover_model()
             self.indexer = Indexer(self.config.indexer_config(self.model))
+            if self.config.healing:
+                self.healing = HealingPolicy(
+                    self.indexer.pool,
+                    quiet_requests=self.config.heal_quiet_requests,
+                    max_requests=self.config.heal_max_requests,
+                )
             await asyncio.to_thread(self.indexer.start)
             await asyncio.to_thread(self.indexer.flush, 10.0)
             await self.refresh_loads()
@@ -713,6 +737,8 @@ class Router:
         decision.status = status
         decision.duration_ms = (time.perf_counter() - started) * 1000.0
         self.indexer.request_finished(decision.pod)
+        if decision.full_report and self.healing is not None:
+            self.healing.full_report_done(decision.pod, None, self.model)
         self.m_in_flight.labels(decision.pod).dec()
         if status >= 500:
             self.m_upstream_errors.labels(decision.pod).inc()
@@ -750,6 +776,13 @@ class Router:
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt")
         )
+        if self.healing is not None and body and self.healing.wants_full_report(decision.pod, None, self.model):
+            healed = with_full_report(body)
+            if healed is not body and isinstance(healed.get("vllm_xargs"), dict):
+                raw = msgspec.json.encode(healed)
+                decision.full_report = True
+                self.healing.full_report_sent(decision.pod, None, self.model)
+                self.m_full_reports.labels(decision.pod).inc()
         status = 502
         try:
             resp = await self._forward(request, raw, decision)

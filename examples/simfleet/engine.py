@@ -376,7 +376,7 @@ class SimEngine:
         """Return the uint64 block hashes this engine computes for the full blocks of ``tokens``."""
         return [digest_to_uint64(d) for d in self._digests(tokens)]
 
-    def serve(self, tokens: Sequence[int]) -> int:
+    def serve(self, tokens: Sequence[int], report_mode: str = "incremental") -> int:
         """Simulate the prefill of one request and publish its KV events as one batch.
 
         Hits the longest prefix of full blocks cached in GPU memory, refreshes
@@ -389,13 +389,23 @@ class SimEngine:
 
         Args:
             tokens: the prompt's token ids.
+            report_mode: ``"incremental"`` (vLLM's default) or ``"full"``: the
+                request's ``vllm_xargs.kv_cache_report_mode``; with ``"full"``
+                the batch starts with a BlockStored re-announcing the hit
+                blocks (parent nil, from block 0), as vLLM's
+                ``KVCacheManager.get_computed_blocks`` does (vLLM PR #45261).
 
         Returns:
             Prefix-cache hit in tokens (hit blocks x block_size).
+
+        Raises:
+            ValueError: unknown ``report_mode``.
         """
+        if report_mode not in ("incremental", "full"):
+            raise ValueError(f"report_mode must be 'incremental' or 'full', got {report_mode!r}")
         toks = [int(t) for t in tokens]
         digests = self._digests(toks)
-        return int(self._call(self._do_serve, toks, digests))
+        return int(self._call(self._do_serve, toks, digests, report_mode == "full"))
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Return the prefix-cache hit in tokens ``serve`` would report now, changing nothing."""
@@ -598,7 +608,7 @@ class SimEngine:
     def _do_lookup(self, digests: list[bytes]) -> int:
         return self._hit_blocks(digests) * self.block_size
 
-    def _do_serve(self, tokens: list[int], digests: list[bytes]) -> int:
+    def _do_serve(self, tokens: list[int], digests: list[bytes], full: bool = False) -> int:
         bs = self.block_size
         hit = self._hit_blocks(digests)
         n_new = min(len(digests), self.capacity_blocks) - hit
@@ -621,6 +631,8 @@ class SimEngine:
             self._gpu.move_to_end(d)
 
         events: list[Any] = []
+        if full and hit:
+            events.append(self._block_stored([self._wire(d) for d in digests[:hit]], None, tokens[: hit * bs], "GPU"))
         if evicted:
             events.append(self._block_removed([self._wire(d) for d in evicted], "GPU"))
             self._removed += len(evicted)

@@ -355,6 +355,10 @@ class VllmFleet:
             which costs 1-2 minutes per engine on 2 cores; the prefix cache and
             KV events do not depend on it).
         extra_args: more command-line arguments for every engine.
+        buffer_steps: the KV-event publisher's replay buffer in batches
+            (``buffer_steps`` of ``--kv-events-config``; None = vLLM's default,
+            10,000).  A small one lets tests start a consumer after the engine's
+            seq 0 has left the buffer.
     """
 
     def __init__(
@@ -374,11 +378,14 @@ class VllmFleet:
         startup_timeout: float = 300.0,
         enforce_eager: bool = True,
         extra_args: Sequence[str] = (),
+        buffer_steps: int | None = None,
     ) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         if block_size <= 0 or block_size % 32:
             raise ValueError(f"block_size must be a positive multiple of 32 on CPU, got {block_size}")
+        if buffer_steps is not None and buffer_steps < 1:
+            raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         if base_port is not None and not 1024 <= base_port <= 65535 - 3 * n:
             raise ValueError(f"base_port {base_port} leaves no room for {n} engines")
         self.n = n
@@ -393,6 +400,7 @@ class VllmFleet:
         self.startup_timeout = startup_timeout
         self.enforce_eager = enforce_eager
         self.extra_args = list(extra_args)
+        self.buffer_steps = buffer_steps
         self.log_dir = (
             Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvindex-vllm-"))
         )
@@ -429,6 +437,8 @@ class VllmFleet:
             "replay_endpoint": f"tcp://*:{engine.replay_port}",
             "topic": engine.topic,
         }
+        if self.buffer_steps is not None:
+            kv_events["buffer_steps"] = self.buffer_steps
         argv = [
             str(self.venv / "bin" / "python"),
             "-m",
