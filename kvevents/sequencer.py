@@ -38,8 +38,9 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   holds, and marked incomplete.  A hole inside a replay whose first batch
   reached back far enough (a reply lost on the way, e.g. a burst beyond the
   sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
-  asked again from the first missing seq once the replay ends, as long as
-  each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
+  asked again from the first missing seq once the replay ends (also when
+  its tail, end marker included, was lost: a replay that times out after
+  applying batches), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
   at the same hole: it is taken as lost as above).
 - Restart rule: a seq going backwards is never a restart by itself.  With a
   replay endpoint it is confirmed against the engine's buffer: the process
@@ -452,6 +453,15 @@ class Sequencer:
             self._r_hole = False
             self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
             return self._start_replay(out, self._op or "gap", self.last + 1)  # type: ignore[operator]
+        if (
+            not ok and self.MAX_HOLE_RETRIES > 0 and self.last is not None and self.last != self._r_last0
+            and self._op in ("gap", "fresh", "bootstrap", "resync")
+        ):
+            # the replay stopped after making progress: its tail (end marker included) was lost on
+            # the way, as a hole with nothing after it; ask again from the first missing seq
+            out.append(Count("replay_holes"))
+            self._r_retries = 0
+            return self._start_replay(out, self._op, self.last + 1)
         self._r_retries = 0
         op, self._op = self._op, None
         if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
