@@ -231,8 +231,11 @@ class ReplayServer:
     One thread polls every socket.
     """
 
-    def __init__(self, engines: list[ModelEngine], context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, engines: list[ModelEngine], context: zmq.Context | None = None, sndhwm: int | None = None
+    ) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._sndhwm = sndhwm  # the ROUTER's send high-water mark (None: ZMQ's default, 1000, as vLLM's)
         self._socks: dict[zmq.Socket, ModelEngine] = {}
         self._eps: dict[int, str] = {}
         for e in engines:
@@ -245,6 +248,8 @@ class ReplayServer:
     def add(self, e: ModelEngine) -> str:
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
+        if self._sndhwm is not None:
+            s.setsockopt(zmq.SNDHWM, self._sndhwm)
         s.bind("tcp://127.0.0.1:*")
         self._socks[s] = e
         self._eps[id(e)] = s.getsockopt_string(zmq.LAST_ENDPOINT)
