@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats
+from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats, checked_retained
 from connector.params import RemoteKVParams
 from kvindex.protocol import IndexUnavailable
 from kvindex.tiers import DECODE_RETAINED
@@ -265,20 +265,12 @@ class RedisRetainedStore:
 
         Raises ValueError as :meth:`connector.retained.RetainedStore.put`.
         """
-        if not params.do_remote_decode:
-            raise ValueError("retained params must be D's answer (do_remote_decode true)")
-        toks = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
-        n = params.remote_num_tokens if params.remote_num_tokens is not None else len(toks)
-        if n > len(toks):
-            raise ValueError(f"remote_num_tokens {n} > {len(toks)} tokens given")
-        keys = tuple(int(k) for k in (request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys))
-        if len(keys) > n:
-            raise ValueError(f"{len(keys)} request keys for {n} tokens")
+        toks, keys = checked_retained(params, tokens, request_keys)
         self.expire()
         server_time = self._call(self.client.time, None)
         now = time.time() if server_time is None else server_time[0] + server_time[1] / 1e6
         entry = RetainedEntry(
-            conversation_id=conversation_id, decode_pod=decode_pod, params=params, tokens=tuple(toks[:n]),
+            conversation_id=conversation_id, decode_pod=decode_pod, params=params, tokens=toks,
             request_keys=keys, created=now, expiry=now + self.ttl, uses_left=self.max_uses,
         )
         if server_time is None:

@@ -224,6 +224,19 @@ MALFORMED_EVENT = {"type": "BlockStored", "block_hashes": [1.5], "parent_block_h
                    "token_ids": [], "block_size": 4}
 
 
+def index_view(index, e: ModelEngine, rk2ek: dict[int, int]) -> set[tuple[int, str]]:
+    """What ``index`` claims engine ``e`` (its pod and DP rank) holds, as (engine key, tier)
+    pairs comparable with :meth:`ModelEngine.view`; ``rk2ek`` maps the request keys to look
+    up to their engine keys.  Speculative entries are not the engine's."""
+    keys = list(rk2ek)
+    out = set()
+    for rk, entries in zip(keys, index.lookup(keys)):
+        for x in entries:
+            if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
+                out.add((rk2ek[rk], x.tier))
+    return out
+
+
 class ReplayServer:
     """vLLM's replay service for a set of model engines, on real ZMQ ROUTER sockets (one per engine).
 

@@ -29,7 +29,7 @@ from kvevents.sequencer import Sequencer
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.keys import TokenProcessor
 from kvindex.protocol import KVIndex, make_index
-from tests.engine_model import ModelEngine, Paths, ReplayServer
+from tests.engine_model import ModelEngine, Paths, ReplayServer, index_view
 
 
 class Outcome(NamedTuple):
@@ -44,22 +44,12 @@ class Outcome(NamedTuple):
     missing: int  # block copies the engine holds that the index does not
 
 
-def _view(index: KVIndex, e: ModelEngine, rk2ek: dict[int, int]) -> set[tuple[int, str]]:
-    keys = list(rk2ek)
-    out = set()
-    for rk, entries in zip(keys, index.lookup(keys)):
-        for x in entries:
-            if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
-                out.add((rk2ek[rk], x.tier))
-    return out
-
-
 def _wait_equal(pool: EventPool, index: KVIndex, e: ModelEngine, rk2ek: dict[int, int], timeout: float) -> float | None:
     """Seconds until the stream is complete and the index equals the engine (polling), or None."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         c = pool.completeness(e.pod)
-        if c and all(s.complete for s in c) and pool.stats().queued == 0 and _view(index, e, rk2ek) == e.view():
+        if c and all(s.complete for s in c) and pool.stats().queued == 0 and index_view(index, e, rk2ek) == e.view():
             return time.perf_counter() - t0
         time.sleep(0.005)
     return None
@@ -101,7 +91,7 @@ def publisher_burst(n: int, *, queue_size: int = 64, block_size: int = 4, seed: 
         t_pub = time.perf_counter() - t0
         conv = _wait_equal(pool, index, e, rk2ek, timeout)
         st = pool.stats()
-        got, want = _view(index, e, rk2ek), e.view()
+        got, want = index_view(index, e, rk2ek), e.view()
         c = pool.completeness(e.pod)
         return Outcome(n, st, t_pub, conv, bool(c) and all(s.complete for s in c), len(got - want), len(want - got))
     finally:
@@ -154,7 +144,7 @@ def replay_burst(n: int, *, block_size: int = 128, sndhwm: int | None = None, ho
         t_last = time.perf_counter()
         conv = _wait_equal(pool, index, e, rk2ek, 2.0 if hole_retries == 0 else timeout)
         st = pool.stats()
-        got, want = _view(index, e, rk2ek), e.view()
+        got, want = index_view(index, e, rk2ek), e.view()
         c = pool.completeness(e.pod)
         return Outcome(n, st, t_last - t0, None if conv is None else conv + (t_last - t0),
                        bool(c) and all(s.complete for s in c), len(got - want), len(want - got))

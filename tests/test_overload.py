@@ -30,7 +30,10 @@ def test_replay_burst_beyond_the_high_water_marks_is_asked_again_until_equal() -
 
 
 def test_replay_burst_without_asking_again_loses_blocks() -> None:
-    """The same burst with the hole taken as lost (the behaviour before): the index misses blocks."""
+    """The same burst with the hole taken as lost (the behaviour before): the index diverges.
+
+    The hole holds stores and evictions alike, so the index misses blocks and may
+    also keep blocks whose removal was lost (which batches fall in it is timing)."""
     out = replay_burst(2000, sndhwm=100, replay_timeout=2.0, hole_retries=0)
     assert out.stats.replay_holes == 0 and out.stats.gaps_unrecovered >= 1
-    assert not out.complete and out.missing > 0 and out.extra == 0
+    assert not out.complete and out.missing + out.extra > 0
