@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak clean
+.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak fuzz soak-churn overload clean
 
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,19 @@ bench-real: $(STAMP)
 # The write path at volume with random faults (a few hundred thousand messages, seeded).
 soak: $(STAMP)
 	$(PY) bench/soak_writepath.py
+
+# 100,000 bad messages through the real subscriber and pool over real ZMQ (seeded; bench/out/fuzz_writepath.json).
+fuzz: $(STAMP)
+	$(PY) bench/fuzz_writepath.py
+
+# One hour of a busy 16-pod fleet's KV events (seed-002 rates) as fast as the pool goes; RSS and index size as a PNG.
+soak-churn: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) bench/soak_churn.py
+
+# Bursts faster than the pool, and a replay burst beyond the replay sockets' high-water marks.
+overload: $(STAMP)
+	$(PY) bench/overload.py
 
 clean:
 	rm -rf $(VENV) bench/out .pytest_cache .hypothesis

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
 from kvindex.index import KVBlockIndex  # noqa: E402
 from kvindex.keys import TokenProcessor  # noqa: E402
-from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer  # noqa: E402
+from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer, index_view  # noqa: E402
 from tests.oracle import batch_payload, seq_frame, stored_event  # noqa: E402
 
 BS = 4
@@ -45,16 +45,6 @@ FAULTS = {
     "lose": 0.004, "dup": 0.004, "reorder": 0.004, "bad_event": 0.001,
     "hostile": 0.0005, "restart_seen": 0.0002, "restart_unseen": 0.0002, "burst": 0.0005,
 }
-
-
-def view(index: KVBlockIndex, e: ModelEngine, rk2ek: dict[int, int]) -> set[tuple[int, str]]:
-    keys = list(rk2ek)
-    out = set()
-    for rk, entries in zip(keys, index.lookup(keys)):
-        for x in entries:
-            if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
-                out.add((rk2ek[rk], x.tier))
-    return out
 
 
 def main() -> None:
@@ -167,7 +157,7 @@ def main() -> None:
     streams = []
     extra_total = missing_complete = missing_total = 0
     for e in engines:
-        got, want = view(index, e, rk2ek[e.model]), e.view()
+        got, want = index_view(index, e, rk2ek[e.model]), e.view()
         s = states[(e.pod, e.model, e.dp_rank)]
         extra, missing = len(got - want), len(want - got)
         extra_total += extra

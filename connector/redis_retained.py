@@ -9,7 +9,8 @@ another router replica and still pull D's KV.  Needs the ``redis`` package
 Layout (every key starts with ``key_prefix``):
 
 - ``r:<conversation_id>``: hash ``entry`` -> the :class:`RetainedEntry`
-  (msgpack), ``uses`` -> pulls left.  Its key TTL is the entry's TTL plus
+  (msgpack; its conversation_id is the key's, any string, lone surrogates
+  included), ``uses`` -> pulls left.  Its key TTL is the entry's TTL plus
   ``grace`` seconds, so the server frees it even when no router is left.
 - ``rz``: sorted set conversation_id -> expiry (seconds, the Redis server's
   clock: one clock for every replica).  An entry past its expiry is never
@@ -27,25 +28,45 @@ server's clock; counters in :meth:`stats` are this process's, ``entries``
 is the shared count.  An entry the server expired before any router ran
 :meth:`expire` (after ``ttl + grace``) leaves its keys in the index's held
 tier until the index's own ``held_ttl``.
+
+Outage: when the server cannot be reached or answers with an error (BUSY,
+OOM, READONLY), the store answers as an empty one and never raises:
+:meth:`get` / :meth:`take` give None (the planner recomputes), :meth:`put`
+returns the entry without storing it, :meth:`discard` False, :meth:`expire`
+0; each such call counts ``redis_errors`` in :meth:`stats`, and for
+``retry_interval`` seconds after an error calls fail fast without asking the
+server.  The index mirror follows the same rule (its
+:class:`kvindex.protocol.IndexUnavailable` is counted, not raised).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats
+from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats, checked_retained
 from connector.params import RemoteKVParams
+from kvindex.protocol import IndexUnavailable
 from kvindex.tiers import DECODE_RETAINED
 
 __all__ = ["RedisRetainedStore", "DEFAULT_RETAINED_PREFIX"]
 
 #: Key prefix of the store when none is given.
 DEFAULT_RETAINED_PREFIX = "kvindex:{retained}:"
+
+#: Longest ttl / grace (s) the store takes (~10 years): the key TTL in ms must fit the server's range.
+MAX_TTL = 3.2e8
+
+
+def _cid(conversation_id: str) -> bytes:
+    """The key bytes of a conversation id: UTF-8, lone surrogates kept (aiohttp decodes undecodable
+    header bytes to them), so distinct ids stay distinct keys."""
+    return conversation_id.encode("utf-8", "surrogatepass")
 
 _COMMON = r"""
 local P = ARGV[1]
@@ -125,6 +146,16 @@ return ids
 """
 
 
+def _no_retry_after_timeout(redis: Any) -> Any:
+    """One immediate retry after a connection error, none after a timeout.
+
+    A call that timed out may still run on a slow server; sent again, a
+    script that is not idempotent (``add_held`` counts references,
+    ``take`` spends a use) would run twice.
+    """
+    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+
+
 class RedisRetainedStore:
     """conversation_id -> :class:`RetainedEntry` in Redis, shared by router replicas.
 
@@ -139,10 +170,12 @@ class RedisRetainedStore:
         grace: seconds the server keeps an entry's key past its expiry, so
             that :meth:`expire` can still take its keys out of the index.
         tier: the index tier of the mirrored keys (default ``decode_retained``).
+        socket_timeout: seconds per call before it counts as an error (with ``url``).
+        retry_interval: seconds during which calls fail fast after an error.
 
     Raises:
         ValueError: a non-positive ttl or max_uses, or neither url nor client.
-        redis.exceptions.ConnectionError: the server is unreachable (from any call).
+        (Never a Redis error: see the module docstring, "Outage".)
     """
 
     def __init__(
@@ -156,19 +189,28 @@ class RedisRetainedStore:
         key_prefix: str = DEFAULT_RETAINED_PREFIX,
         grace: float = 60.0,
         tier: str = DECODE_RETAINED,
+        socket_timeout: float = 2.0,
+        retry_interval: float = 0.5,
     ) -> None:
-        if not ttl > 0:
-            raise ValueError(f"ttl must be > 0 s, got {ttl}")
+        if not 0 < ttl <= MAX_TTL:
+            raise ValueError(f"ttl must be in (0, {MAX_TTL:g}] s, got {ttl}")
         if max_uses < 1:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
-        if not grace >= 0:
-            raise ValueError(f"grace must be >= 0 s, got {grace}")
+        if not 0 <= grace <= MAX_TTL:
+            raise ValueError(f"grace must be in [0, {MAX_TTL:g}] s, got {grace}")
         import redis
 
+        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                        redis.exceptions.ResponseError)
         if client is None:
             if url is None:
                 raise ValueError("the Redis retained store needs a url or a client")
-            client = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=0.5)
+            client = redis.Redis.from_url(
+                url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
+                retry=_no_retry_after_timeout(redis),
+            )
+        self.retry_interval = retry_interval
+        self._down_until = 0.0
         self.client = client
         self.index = index
         self.ttl = float(ttl)
@@ -184,7 +226,30 @@ class RedisRetainedStore:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(RetainedEntry).decode
         self._lock = threading.Lock()
-        self._c = dict.fromkeys(("stored", "replaced", "used_up", "expired", "evicted", "discarded"), 0)
+        self._c = dict.fromkeys(
+            ("stored", "replaced", "used_up", "expired", "evicted", "discarded", "redis_errors"), 0
+        )
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, fn: Any, default: Any) -> Any:
+        """``fn()``'s answer, or ``default`` (counted) when the server is unreachable or failing."""
+        if time.monotonic() < self._down_until:
+            self._count_error()
+            return default
+        try:
+            return fn()
+        except self._errors:
+            self._down_until = time.monotonic() + self.retry_interval
+            self._count_error()
+            return default
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self._c["redis_errors"] += 1
+
+    def _script(self, name: str, *args: Any, default: Any = None) -> Any:
+        return self._call(lambda: self._scripts[name](args=(self.key_prefix, *args)), default)
 
     # ------------------------------------------------------------------ write
 
@@ -200,29 +265,33 @@ class RedisRetainedStore:
 
         Raises ValueError as :meth:`connector.retained.RetainedStore.put`.
         """
-        if not params.do_remote_decode:
-            raise ValueError("retained params must be D's answer (do_remote_decode true)")
-        toks = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
-        n = params.remote_num_tokens if params.remote_num_tokens is not None else len(toks)
-        if n > len(toks):
-            raise ValueError(f"remote_num_tokens {n} > {len(toks)} tokens given")
-        keys = tuple(int(k) for k in (request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys))
-        if len(keys) > n:
-            raise ValueError(f"{len(keys)} request keys for {n} tokens")
+        toks, keys = checked_retained(params, tokens, request_keys)
         self.expire()
-        sec, usec = self.client.time()
-        now = sec + usec / 1e6
+        server_time = self._call(self.client.time, None)
+        now = time.time() if server_time is None else server_time[0] + server_time[1] / 1e6
         entry = RetainedEntry(
-            conversation_id=conversation_id, decode_pod=decode_pod, params=params, tokens=tuple(toks[:n]),
+            conversation_id=conversation_id, decode_pod=decode_pod, params=params, tokens=toks,
             request_keys=keys, created=now, expiry=now + self.ttl, uses_left=self.max_uses,
         )
+        if server_time is None:
+            return entry  # not stored: the next turn recomputes
         # held first: a reader never sees the entry without its index mirror
+        mirrored = False
         if self.index is not None and keys:
-            self.index.add_held(decode_pod, keys, self.tier)
-        old, live = self._scripts["put"](args=(
-            self.key_prefix, conversation_id, self._encode(entry), self.max_uses, repr(entry.expiry),
+            try:
+                self.index.add_held(decode_pod, keys, self.tier)
+                mirrored = True
+            except IndexUnavailable:
+                self._count_error()
+        res = self._script(
+            "put", _cid(conversation_id), self._blob(entry), self.max_uses, repr(entry.expiry),
             int((self.ttl + self.grace) * 1000),
-        ))
+        )
+        if res is None:
+            if mirrored:
+                self._unmirror(entry)
+            return entry  # not stored
+        old, live = res
         with self._lock:
             self._c["stored"] += 1
             if old:
@@ -238,11 +307,11 @@ class RedisRetainedStore:
         once, exactly as many as it has uses get it.
         """
         self.expire()
-        res = self._scripts["take"](args=(self.key_prefix, conversation_id, "1"))
+        res = self._script("take", _cid(conversation_id), "1")
         if not res:
             return None
         blob, uses, ended = res
-        entry = msgspec.structs.replace(self._decode(blob), uses_left=int(uses))
+        entry = msgspec.structs.replace(self._decode(blob), conversation_id=conversation_id, uses_left=int(uses))
         if ended:
             with self._lock:
                 self._c["used_up"] += 1
@@ -251,7 +320,7 @@ class RedisRetainedStore:
 
     def discard(self, conversation_id: str) -> bool:
         """Forget the entry (e.g. the guard found nothing reusable); True if there was a live one."""
-        old = self._scripts["discard"](args=(self.key_prefix, conversation_id))
+        old = self._script("discard", _cid(conversation_id))
         if not old:
             return False
         with self._lock:
@@ -261,7 +330,7 @@ class RedisRetainedStore:
 
     def expire(self, limit: int = 1000) -> int:
         """Delete up to ``limit`` entries whose expiry has passed (any replica's); returns how many."""
-        blobs = self._scripts["expire"](args=(self.key_prefix, limit))
+        blobs = self._script("expire", limit, default=[])
         for blob in blobs:
             if blob:
                 self._unmirror(self._decode(blob))
@@ -273,10 +342,10 @@ class RedisRetainedStore:
 
     def get(self, conversation_id: str) -> RetainedEntry | None:
         """The live entry (spends no use), or None."""
-        res = self._scripts["take"](args=(self.key_prefix, conversation_id, "0"))
+        res = self._script("take", _cid(conversation_id), "0")
         if not res:
             return None
-        return msgspec.structs.replace(self._decode(res[0]), uses_left=int(res[1]))
+        return msgspec.structs.replace(self._decode(res[0]), conversation_id=conversation_id, uses_left=int(res[1]))
 
     def __len__(self) -> int:
         return len(self.conversations())
@@ -286,7 +355,7 @@ class RedisRetainedStore:
 
     def conversations(self) -> list[str]:
         """Live conversation ids, soonest to expire first."""
-        return [c.decode() for c in self._scripts["live"](args=(self.key_prefix,))]
+        return [c.decode("utf-8", "surrogatepass") for c in self._script("live", default=[])]
 
     def stats(self) -> RetainedStats:
         """This process's counters and the shared number of live entries (see :class:`RetainedStats`)."""
@@ -296,6 +365,13 @@ class RedisRetainedStore:
 
     # -------------------------------------------------------------- internals
 
+    def _blob(self, entry: RetainedEntry) -> bytes:
+        # the conversation id is the key (it may hold lone surrogates, which msgpack cannot encode)
+        return self._encode(msgspec.structs.replace(entry, conversation_id=""))
+
     def _unmirror(self, entry: RetainedEntry) -> None:
         if self.index is not None and entry.request_keys:
-            self.index.remove_held(entry.decode_pod, entry.request_keys, self.tier)
+            try:
+                self.index.remove_held(entry.decode_pod, entry.request_keys, self.tier)
+            except IndexUnavailable:
+                self._count_error()  # the index's held_ttl ends the mirror

@@ -40,7 +40,7 @@ from sortedcontainers import SortedList
 from connector.params import RemoteKVParams
 from kvindex.tiers import DECODE_RETAINED
 
-__all__ = ["HeldIndex", "RetainedEntry", "RetainedStats", "RetainedStore", "DEFAULT_TTL"]
+__all__ = ["HeldIndex", "RetainedEntry", "RetainedStats", "RetainedStore", "DEFAULT_TTL", "checked_retained"]
 
 #: Router-side TTL of an entry (s): below vLLM's default decoder_kv_blocks_ttl of 480 s.
 DEFAULT_TTL = 450.0
@@ -87,7 +87,12 @@ class RetainedEntry(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RetainedStats(msgspec.Struct, frozen=True):
-    """Counters of a :class:`RetainedStore`: live entries and each way entries ended."""
+    """Counters of a :class:`RetainedStore`: live entries and each way entries ended.
+
+    ``redis_errors``: calls of a shared store (:mod:`connector.redis_retained`)
+    that found its server unreachable or failing and answered as an empty
+    store (always 0 in memory).
+    """
 
     entries: int
     stored: int
@@ -96,6 +101,32 @@ class RetainedStats(msgspec.Struct, frozen=True):
     expired: int
     evicted: int
     discarded: int
+    redis_errors: int = 0
+
+
+def checked_retained(
+    params: RemoteKVParams, tokens: Sequence[int] | np.ndarray, request_keys: Sequence[int] | np.ndarray
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Check what a store is asked to retain; return (tokens whose KV D holds, request keys).
+
+    The tokens are cut to ``params.remote_num_tokens`` (D's count) when more
+    are given.
+
+    Raises:
+        ValueError: params not from D (``do_remote_decode`` false), fewer
+            tokens than ``remote_num_tokens``, or more request keys than
+            tokens.
+    """
+    if not params.do_remote_decode:
+        raise ValueError("retained params must be D's answer (do_remote_decode true)")
+    toks = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+    n = params.remote_num_tokens if params.remote_num_tokens is not None else len(toks)
+    if n > len(toks):
+        raise ValueError(f"remote_num_tokens {n} > {len(toks)} tokens given")
+    keys = tuple(int(k) for k in (request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys))
+    if len(keys) > n:
+        raise ValueError(f"{len(keys)} request keys for {n} tokens")
+    return tuple(toks[:n]), keys
 
 
 class RetainedStore:
@@ -166,15 +197,7 @@ class RetainedStore:
                 ``remote_num_tokens``, or more request keys than whole blocks
                 would allow for any block size >= 1.
         """
-        if not params.do_remote_decode:
-            raise ValueError("retained params must be D's answer (do_remote_decode true)")
-        toks = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
-        n = params.remote_num_tokens if params.remote_num_tokens is not None else len(toks)
-        if n > len(toks):
-            raise ValueError(f"remote_num_tokens {n} > {len(toks)} tokens given")
-        keys = tuple(int(k) for k in (request_keys.tolist() if hasattr(request_keys, "tolist") else request_keys))
-        if len(keys) > n:
-            raise ValueError(f"{len(keys)} request keys for {n} tokens")
+        toks, keys = checked_retained(params, tokens, request_keys)
         with self._lock:
             now = self._clock()
             self._expire(now)
@@ -185,7 +208,7 @@ class RetainedStore:
                 conversation_id=conversation_id,
                 decode_pod=decode_pod,
                 params=params,
-                tokens=tuple(toks[:n]),
+                tokens=toks,
                 request_keys=keys,
                 created=now,
                 expiry=now + self.ttl,

@@ -9,10 +9,11 @@ import each other.
 from indexer.config import Config, load_config
 from indexer.healing import HealingPolicy, HealingState, HealingStats, with_full_report
 from indexer.indexer import Indexer, IndexerStats, Score
+from indexer.metrics import KVIndexMetrics
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 
 __all__ = [
     "Config", "EngineEndpoint", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
-    "LoadSnapshot", "Score", "load_config", "with_full_report",
+    "KVIndexMetrics", "LoadSnapshot", "Score", "load_config", "with_full_report",
 ]

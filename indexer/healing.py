@@ -182,7 +182,7 @@ class HealingPolicy:
             ("sent", "done", "discoveries", "learned", "episodes", "healed_quiet", "healed_cap"), 0
         )
         self._observer: Callable[[str, int, str | None, BlockStored], None] | None = self._on_stored
-        pool.add_store_observer(self._on_stored)
+        pool.add_store_observer(self._on_stored, wants=self._healing)
 
     def close(self) -> None:
         """Stop observing the pool (the policy then only answers from completeness)."""
@@ -258,7 +258,12 @@ class HealingPolicy:
                     ep.healing, ep.why = False, "quiet"
                     self._c["healed_quiet"] += 1
 
-    # -- the write path's call (shard threads)
+    # -- the write path's calls (shard threads)
+
+    def _healing(self, pod: str, dp_rank: int, model: str | None) -> bool:
+        """Does this stream have a live healing episode (else its batches need no observing)?"""
+        ep = self._episodes.get((pod, model, dp_rank))
+        return ep is not None and ep.healing
 
     def _on_stored(self, pod: str, dp_rank: int, model: str | None, ev: BlockStored) -> None:
         """Before a BlockStored applies: count blocks of a parent-nil store the stream did not hold."""

@@ -24,8 +24,10 @@ from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from indexer.config import Config
+from indexer.metrics import KVIndexMetrics
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.index import IndexStats
@@ -156,6 +158,7 @@ class Indexer:
         self._tracks_prefill = False
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
+        self.metrics = KVIndexMetrics(self)
 
     # -- lifecycle
 
@@ -291,6 +294,7 @@ class Indexer:
         Raises:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
+        t0 = time.perf_counter()
         if getattr(self.index, "match_tokens", None) is None or block_extra_keys is not None or cache_salt:
             keys = self.request_keys(
                 tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
@@ -327,6 +331,9 @@ class Indexer:
             rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
             if rank is not None:
                 choice = msgspec.structs.replace(choice, dp_rank=rank)
+        self.metrics.observe_score(
+            time.perf_counter() - t0, prefix[choice.pod].coverage if choice is not None and len(keys) else None
+        )
         return Score(
             request_blocks=len(keys),
             block_size=self.token_processor.block_size,
@@ -406,6 +413,16 @@ class Indexer:
         return result
 
     # -- observability
+
+    def register_metrics(self, registry: CollectorRegistry) -> KVIndexMetrics:
+        """Register the library's Prometheus metrics (:attr:`metrics`) in ``registry``.
+
+        The router then serves them with the rest of its registry
+        (``prometheus_client.generate_latest(registry)``); see
+        :mod:`indexer.metrics` and the README's "Metrics" table.  Raises
+        ValueError when ``registry`` already holds one of the names.
+        """
+        return self.metrics.register(registry)
 
     def stats(self) -> IndexerStats:
         """Index sizes/counters and write-path counters."""

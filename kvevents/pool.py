@@ -39,7 +39,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -52,9 +52,15 @@ from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, C
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
 from kvindex.index import ApplyResult, apply_each
-from kvindex.protocol import KVIndex
+from kvindex.protocol import IndexUnavailable, KVIndex
 
-__all__ = ["Source", "RawMessage", "PoolStats", "StreamState", "EventPool", "RateLimitedLog"]
+__all__ = [
+    "Source", "RawMessage", "PoolStats", "StreamState", "StreamCounters", "EventPool", "RateLimitedLog", "StoreObserver",
+]
+
+#: ``fn(pod, dp_rank, model, event)``: called before a BlockStored is applied (see
+#: :meth:`EventPool.add_store_observer`).
+StoreObserver = Callable[[str, int, "str | None", BlockStored], None]
 
 log = logging.getLogger("kvevents.pool")
 
@@ -120,7 +126,9 @@ class PoolStats(msgspec.Struct, frozen=True):
     unconfirmed: messages skipped because the engine did not confirm their
     seq (a forward jump its buffer does not know, a backward seq its replay
     buffer contradicts: hostile or corrupt publishers); replay_failures:
-    replays or restart checks that timed out or failed; incomplete_streams:
+    replays or restart checks that timed out or failed; replay_holes: replays
+    with a seq missing inside them (a reply lost on the way), asked again from
+    the hole; incomplete_streams:
     streams whose completeness flag is false now (see
     :meth:`EventPool.completeness`); index_unavailable: events not applied
     because the index's store (Redis) was unreachable; rebuilds: streams
@@ -149,6 +157,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     unconfirmed: int = 0
     replay_failures: int = 0
     incomplete_streams: int = 0
+    replay_holes: int = 0
     index_unavailable: int = 0
     rebuilds: int = 0
 
@@ -180,7 +189,10 @@ class RateLimitedLog:
 class _Stream:
     """One publisher stream (pod, model, DP rank): its sequencer plus what the shard needs to act."""
 
-    __slots__ = ("pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses")
+    __slots__ = (
+        "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses",
+        "messages", "batches", "events", "clears", "stored", "removed",
+    )
 
     def __init__(self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str) -> None:
         self.pod = pod
@@ -191,7 +203,38 @@ class _Stream:
         self.seq = Sequencer(replay_endpoint is not None)
         self.complete_since: float | None = None  # monotonic time it last became complete
         self.why = "no batch yet"
+        # ingest counters of this stream (read by EventPool.stream_counters)
+        self.messages = 0
+        self.batches = 0
+        self.events = 0
+        self.clears = 0
+        self.stored: dict[str, int] = {}  # tier -> blocks stored
+        self.removed: dict[str, int] = {}  # tier -> blocks removed
         self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
+
+
+class StreamCounters(NamedTuple):
+    """Ingest counters of one publisher stream (a snapshot; see :meth:`EventPool.stream_counters`).
+
+    pod, model, dp_rank: the publisher (model None when its topic names none).
+    messages: live messages that reached the stream's sequencer (decodable,
+        with a pod); batches: batches applied (live and replayed); events:
+        events in them; clears: AllBlocksCleared events applied;
+    blocks_stored / blocks_removed: tier -> blocks the stream's BlockStored /
+        BlockRemoved events carried (each block once per event, whether or
+        not the index changed).  Counters start at 0 when the stream is first
+        seen and go away with the pod (:meth:`EventPool.forget_pod`).
+    """
+
+    pod: str
+    model: str | None
+    dp_rank: int
+    messages: int
+    batches: int
+    events: int
+    clears: int
+    blocks_stored: dict[str, int]
+    blocks_removed: dict[str, int]
 
 
 class StreamState(NamedTuple):
@@ -253,8 +296,8 @@ class _Counters:
     __slots__ = (
         "messages", "batches", "events", "blocks_stored", "blocks_removed", "clears",
         "decode_errors", "gaps", "gaps_unrecovered", "replay_requests", "replayed_batches",
-        "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "errors_by_kind",
-        "index_unavailable", "rebuilds",
+        "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "replay_holes",
+        "errors_by_kind", "index_unavailable", "rebuilds",
     )
 
     def __init__(self) -> None:
@@ -387,6 +430,7 @@ class _Shard:
             return
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
         st = self._stream(pod, model, rank, msg.source)
+        st.messages += 1
         self._run(st, st.seq.live(_as_batch(seq, batch)))
 
     def _decode(self, engine: str, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
@@ -439,14 +483,16 @@ class _Shard:
         pod, rank, model = st.pod, st.rank, st.model
         c.batches += 1
         c.events += len(batch.events)
+        st.batches += 1
         apply = getattr(index, "apply_events", None)
-        if self.pool.store_observers:
+        observers = self.pool.observers_of(pod, rank, model)
+        if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
             r = ApplyResult()
             events = batch.events
             for i, ev in enumerate(events):
                 if type(ev) is BlockStored:
-                    self._observe(st, ev)
+                    self._observe(st, ev, observers)
                 apply_each(index, pod, rank, events[i : i + 1], model, _EVENT_KINDS, result=r)
                 if r.unavailable is not None:
                     r.left = len(events) - i
@@ -458,6 +504,17 @@ class _Shard:
         c.blocks_stored += r.stored_blocks
         c.blocks_removed += r.removed_blocks
         c.clears += r.clears
+        # per stream, by tier: the blocks the processed events carried (one step per event, not per block)
+        done = len(batch.events) - r.left
+        st.events += done
+        st.clears += r.clears
+        stored, removed = st.stored, st.removed
+        for ev in batch.events[:done] if r.left else batch.events:
+            t = type(ev)
+            if t is BlockStored:
+                stored[ev.tier] = stored.get(ev.tier, 0) + len(ev.block_hashes)
+            elif t is BlockRemoved:
+                removed[ev.tier] = removed.get(ev.tier, 0) + len(ev.block_hashes)
         for msg in r.errors:
             self._error("apply", f"pod {pod}: event not applied: {msg}")
         if r.unavailable is not None:
@@ -471,9 +528,9 @@ class _Shard:
         for kind in batch.bad_events:
             self._error(kind, f"pod {pod}: a malformed event ({kind}) was left out of its batch")
 
-    def _observe(self, st: _Stream, ev: BlockStored) -> None:
-        """Show a BlockStored to the pool's store observers before it is applied (never raises)."""
-        for fn in self.pool.store_observers:
+    def _observe(self, st: _Stream, ev: BlockStored, observers: Sequence[StoreObserver]) -> None:
+        """Show a BlockStored to the stream's store observers before it is applied (never raises)."""
+        for fn in observers:
             try:
                 fn(st.pod, st.rank, st.model, ev)
             except Exception as exc:
@@ -504,6 +561,8 @@ class _Shard:
         try:
             for seq, batch in self._replay_items(st, start):
                 self._run(st, st.seq.replayed(None if batch is None else _as_batch(seq, batch), seq))
+                if st.seq.hole_pending:
+                    break  # a reply was lost: stop reading (the socket is discarded) and ask again at once
             ok = True
         except TimeoutError:
             self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")
@@ -650,6 +709,7 @@ class EventPool:
             raise ValueError(f"queue_size must be >= 1, got {queue_size}")
         self.index = index
         self.queue_size = queue_size
+        self.concurrency = concurrency
         if not 0 < replay_timeout < 3600:
             raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {replay_timeout}")
         if replay_max_batches < 1:
@@ -665,7 +725,8 @@ class EventPool:
         self._started = False
         #: callables ``fn(pod, dp_rank, model, event)`` shown every BlockStored just before it is
         #: applied, on the shard's thread (see :meth:`add_store_observer`)
-        self.store_observers: tuple[Callable[[str, int, str | None, BlockStored], None], ...] = ()
+        self.store_observers: tuple[StoreObserver, ...] = ()
+        self._observer_wants: dict[StoreObserver, Callable[[str, int, str | None], bool] | None] = {}
 
     # -- lifecycle
 
@@ -695,20 +756,35 @@ class EventPool:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def add_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+    def add_store_observer(
+        self, fn: StoreObserver, wants: Callable[[str, int, str | None], bool] | None = None
+    ) -> None:
         """Call ``fn(pod, dp_rank, model, event)`` for every BlockStored just before the index applies it.
 
         Runs on the shard's worker thread, so the index still shows the
         stream's state before the event (e.g. :class:`indexer.healing.HealingPolicy`
         counts the re-announced blocks it did not hold).  ``fn`` must be quick
         and thread-safe; an exception it raises is counted (``observer``) and
-        the event is applied anyway.
+        the event is applied anyway.  ``wants(pod, dp_rank, model)``, asked
+        once per batch, limits ``fn`` to the streams it answers True for
+        (None: every stream).  A batch of an observed stream is applied one
+        event at a time; the others keep the whole-batch apply.
         """
+        self._observer_wants[fn] = wants
         self.store_observers = (*self.store_observers, fn)
 
-    def remove_store_observer(self, fn: Callable[[str, int, str | None, BlockStored], None]) -> None:
+    def remove_store_observer(self, fn: StoreObserver) -> None:
         """Stop calling ``fn`` (no error when it was not added)."""
         self.store_observers = tuple(f for f in self.store_observers if f != fn)
+        self._observer_wants.pop(fn, None)
+
+    def observers_of(self, pod: str, dp_rank: int, model: str | None) -> tuple[StoreObserver, ...]:
+        """The store observers that want this stream's next batch (usually none: ``()``)."""
+        obs = self.store_observers
+        if not obs:
+            return obs
+        wants = self._observer_wants
+        return tuple(fn for fn in obs if (w := wants.get(fn)) is None or w(pod, dp_rank, model))
 
     # -- input
 
@@ -841,6 +917,22 @@ class EventPool:
         for s in self._shards:
             for st in list(s.streams.values()):
                 yield st.pod, st.rank, st.seq.last
+
+    def stream_counters(self) -> list[StreamCounters]:
+        """Ingest counters per publisher stream (pod, model, DP rank), sorted (a snapshot).
+
+        Reads plain integers the shard workers update (no lock on the write
+        path): each value is one the worker wrote, possibly a batch behind.
+        """
+        out: list[StreamCounters] = []
+        for s in self._shards:
+            for st in list(s.streams.values()):
+                out.append(StreamCounters(
+                    st.pod, st.model, st.rank, st.messages, st.batches, st.events, st.clears,
+                    dict(st.stored), dict(st.removed),
+                ))
+        out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
+        return out
 
     def completeness(self, pod: str | None = None) -> list[StreamState]:
         """Whether the index is known to hold exactly each publisher stream's blocks (a snapshot).

@@ -35,7 +35,13 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
 - A gap asks a replay from the first missing seq.  When the engine's buffer
   no longer reaches back to it (the first replayed seq is later), the lost
   range is unknown: the stream is cleared and rebuilt from what the buffer
-  holds, and marked incomplete.  The same holds for a hole inside a replay.
+  holds, and marked incomplete.  A hole inside a replay whose first batch
+  reached back far enough (a reply lost on the way, e.g. a burst beyond the
+  sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
+  asked again from the first missing seq once the replay ends (also when
+  its tail, end marker included, was lost: a replay that times out after
+  applying batches), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
+  at the same hole: it is taken as lost as above).
 - Restart rule: a seq going backwards is never a restart by itself.  With a
   replay endpoint it is confirmed against the engine's buffer: the process
   we know still holds the batch at our last seq with the same timestamp; a
@@ -183,8 +189,11 @@ class Sequencer:
         "has_replay", "last", "last_ts", "exact", "lost", "suspect", "complete",
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
-        "broken", "_rebuild_due",
+        "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
     )
+
+    #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
+    MAX_HOLE_RETRIES = 3
 
     #: replayed-batch timestamps kept to recognise duplicates (bounded)
     MAX_REMEMBERED = 50_000
@@ -210,6 +219,9 @@ class Sequencer:
         self._resync_due = False
         self._r_verify: tuple[int, float | None] | None = None  # (seq, ts) the replay's first batch must be
         self._r_restart = False
+        self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
+        self._r_retries = 0  # replays in a row asked again for a hole without progress
+        self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
         self.broken = False  # the index failed to take a write of this stream since its last rebuild
         self._rebuild_due = False
 
@@ -248,6 +260,7 @@ class Sequencer:
             start = self.last
             self._r_verify = (self.last, self.last_ts)
         self._r_start = start
+        self._r_last0 = self.last
         self._r_first = None
         self._r_count = 0
         self._r_cleared = False
@@ -262,6 +275,11 @@ class Sequencer:
         if seq > self._replay_max:
             self._replayed.clear()
             self._holes.clear()
+
+    @property
+    def hole_pending(self) -> bool:
+        """The replay in progress has a hole and will be asked again: the rest of it need not be read."""
+        return self._r_hole
 
     # ------------------------------------------------------------- inputs
 
@@ -406,10 +424,22 @@ class Sequencer:
             return out
         if b is None:
             return out  # a hole: the next readable batch will show it
+        if self._r_hole:
+            return out  # the rest of a replay with a hole: asked again at its end
         out.append(Count("replayed_batches"))
         if self.last is not None and b.seq <= self.last:
             return out
         expected = self._r_start if self.last is None else self.last + 1
+        if (
+            b.seq > expected and self.last is not None and self._r_first is not None
+            and self._r_first <= expected and self._r_retries < self.MAX_HOLE_RETRIES
+        ):
+            # the engine's buffer reached back to what we need, but a batch in between did not
+            # arrive (e.g. a reply burst beyond the sockets' high-water marks, which vLLM's ROUTER
+            # drops): ask again from the first missing seq at this replay's end
+            out.append(Count("replay_holes"))
+            self._r_hole = True
+            return out
         if b.seq > expected:
             # the buffer no longer holds expected..seq-1: rebuild from what it holds
             out.append(Count("gaps_unrecovered"))
@@ -434,6 +464,20 @@ class Sequencer:
         if self._r_restart:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
+        if self._r_hole:
+            self._r_hole = False
+            self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
+            return self._start_replay(out, self._op or "gap", self.last + 1)  # type: ignore[operator]
+        if (
+            not ok and self.MAX_HOLE_RETRIES > 0 and self.last is not None and self.last != self._r_last0
+            and self._op in ("gap", "fresh", "bootstrap", "resync")
+        ):
+            # the replay stopped after making progress: its tail (end marker included) was lost on
+            # the way, as a hole with nothing after it; ask again from the first missing seq
+            out.append(Count("replay_holes"))
+            self._r_retries = 0
+            return self._start_replay(out, self._op, self.last + 1)
+        self._r_retries = 0
         op, self._op = self._op, None
         if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
             # the engine holds nothing from our last batch on: a new process whose seqs are

@@ -879,6 +879,33 @@ class KVBlockIndex(SideTables):
                 **self._c,
             )
 
+    def tier_stats(self) -> dict[str, tuple[int, int]]:
+        """tier -> (request keys held in that tier by any pod, (key, pod, DP rank) entries holding it).
+
+        Counts the blocks events stored (not speculative or router-held
+        entries); a block held in two tiers counts in both, so the sums over
+        tiers can exceed ``stats().keys`` / ``stats().entries``.  Tiers with no
+        block are left out.  O(entries): for metrics scrapes, not the hot path.
+        """
+        keys: dict[int, int] = {}
+        entries: dict[int, int] = {}
+        with self._lock:
+            for pods in self._blocks.values():
+                union = 0
+                for pb in pods.values():
+                    for r in pb.ranks.values():
+                        m = r[0]
+                        union |= m
+                        while m:
+                            low = m & -m
+                            entries[low] = entries.get(low, 0) + 1
+                            m ^= low
+                while union:
+                    low = union & -union
+                    keys[low] = keys.get(low, 0) + 1
+                    union ^= low
+        return {tier_names(bit)[0]: (keys[bit], entries[bit]) for bit in keys}
+
     # -------------------------------------------------------------- internals
 
     def _resolve(self, pod: str, dp_rank: int, engine_key: int, model: str | None) -> int | None:

@@ -482,6 +482,16 @@ class NativeKVBlockIndex(SideTables):
                 clears=c["clears"],
             )
 
+    def tier_stats(self) -> dict[str, tuple[int, int]]:
+        """tier -> (request keys held in that tier by any pod, (key, pod, DP rank) entries holding it).
+
+        As :meth:`kvindex.index.KVBlockIndex.tier_stats`: blocks events
+        stored, one walk of level 1 in the compiled core (O(keys)).
+        """
+        with self._lock:
+            counts = self._core.tier_counts()
+        return {tier_names(1 << b)[0]: (k, e) for b, (k, e) in enumerate(counts) if k}
+
     def memory_bytes(self) -> int:
         """Bytes held by the compiled structures (capacities; no allocator overhead)."""
         return self._core.memory_bytes()

@@ -74,7 +74,8 @@ Stated differences from the reference:
 - At most 31 tiers (masks are 31-bit in Lua).
 
 Outage: reads (prefix_match, lookup, best_dp_rank, pods, ...) that cannot
-reach Redis answer as an empty index (no prefix information: the picker
+reach Redis, or that it answers with an error (BUSY, OOM, READONLY, a failed
+script), answer as an empty index (no prefix information: the picker
 chooses by load alone) and count ``redis_errors``; they never raise.  Writes
 raise :class:`kvindex.protocol.IndexUnavailable` (counted in
 ``redis_errors`` and ``dropped_writes``), which the write path turns into an
@@ -111,6 +112,16 @@ def _bit(tier: str) -> int:
     if b > _MAX_BIT:
         raise ValueError(f"the Redis backend holds at most 31 tiers; {tier!r} is beyond")
     return b
+
+
+def _no_retry_after_timeout(redis: Any) -> Any:
+    """One immediate retry after a connection error, none after a timeout.
+
+    A call that timed out may still run on a slow server; sent again, a
+    script that is not idempotent (``add_held`` counts references,
+    ``take`` spends a use) would run twice.
+    """
+    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
 
 
 def _ints(values: Iterable[Any]) -> list[int]:
@@ -159,19 +170,24 @@ class RedisKVBlockIndex(SideTables):
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if max_orphan_blocks < 0:
             raise ValueError(f"max_orphan_blocks must be >= 0, got {max_orphan_blocks}")
-        if not key_prefix:
-            raise ValueError("key_prefix must not be empty")
+        if not key_prefix or "\0" in key_prefix:
+            raise ValueError("key_prefix must be non-empty and hold no NUL")
         if held_ttl is not None and not 0 < held_ttl < 86_400 * 30:
             raise ValueError(f"held_ttl must be in (0, 30 days), got {held_ttl}")
         import redis  # the optional dependency: only this backend needs it
 
-        self._redis_errors_types = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        # a server that answers with an error instead of data is unavailable too: BUSY (another client's
+        # script ran past busy-reply-threshold), OOM (maxmemory reached), READONLY (a replica after a
+        # failover), LOADING, or a script that failed midway (a script's writes are not rolled back)
+        self._redis_errors_types = (
+            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError
+        )
         if client is None:
             if url is None:
                 raise ValueError("the Redis index needs a url or a client")
             client = redis.Redis.from_url(
                 url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
-                retry=redis.retry.Retry(redis.backoff.NoBackoff(), 1), health_check_interval=0,
+                retry=_no_retry_after_timeout(redis), health_check_interval=0,
             )
         self.client = client
         self.token_processor = token_processor or TokenProcessor()
@@ -216,11 +232,15 @@ class RedisKVBlockIndex(SideTables):
 
     # ------------------------------------------------------------- plumbing
 
-    def _run(self, name: str, *args: Any, write: bool) -> Any:
+    def _run(self, name: str, *args: Any, write: bool, model: Any = None) -> Any:
         """Run script ``name`` with ARGV = (prefix, *args).
 
+        With ``model`` (a model name whose id is among ``args``), the script
+        runs only if the server still gives that model the id this process
+        knows (after the server lost its data, ids are handed out again).
+
         Raises IndexUnavailable for a write and returns None for a read when
-        the server cannot be reached (both counted).
+        the server cannot be reached or fails (both counted).
         """
         now = time.monotonic()
         if now < self._down_until:
@@ -228,10 +248,19 @@ class RedisKVBlockIndex(SideTables):
         try:
             if now >= self._next_epoch_check:
                 self._check_epoch()
-            return self._scripts[name](args=(self.key_prefix, *args))
+            prefix = self.key_prefix
+            if model is not None and model is not ALL_MODELS:
+                mid = self._model_ids.get(model)
+                if mid is None:  # forgotten by the epoch check just now: the id in args is the old data's
+                    return self._failed(write, IndexUnavailable("the model ids changed (the server lost its data)"))
+                prefix = f"{prefix}\0{model}\0{mid}"
+            return self._scripts[name](args=(prefix, *args))
         except self._redis_errors_types as exc:
             self._down_until = time.monotonic() + self.retry_interval
             self._next_epoch_check = 0.0  # the server may come back empty
+            if "STALEMODEL" in str(exc):
+                with self._lock:
+                    self._forget_models()
             return self._failed(write, exc)
 
     def _failed(self, write: bool, exc: BaseException | None) -> None:
@@ -258,10 +287,13 @@ class RedisKVBlockIndex(SideTables):
             with self._lock:
                 # orphans and the models' ids were the old data's
                 self._drop_all_orphans()
-                self._model_ids = {None: 0}
-                self._model_names = {0: None}
-                self._models = set()
+                self._forget_models()
         self._epoch = cur
+
+    def _forget_models(self) -> None:
+        self._model_ids = {None: 0}
+        self._model_names = {0: None}
+        self._models = set()
 
     def _drop_all_orphans(self) -> None:
         for group in self._orphans.values():
@@ -313,12 +345,14 @@ class RedisKVBlockIndex(SideTables):
             self._down_until = time.monotonic() + self.retry_interval
             return self._failed(False, exc)
 
-    def _store(self, pod: str, rank: int, mid: int, bit: int, eks: Sequence[int], rks: Sequence[int]) -> int:
+    def _store(
+        self, pod: str, rank: int, mid: int, bit: int, eks: Sequence[int], rks: Sequence[int], model: str | None
+    ) -> int:
         args: list[Any] = [pod, rank, mid, bit, self.capacity, self._compat_arg]
         for ek, rk in zip(eks, rks):
             args.append(int(ek))
             args.append(int(rk))
-        stored, evictions, confirmed = self._run("store", *args, write=True)
+        stored, evictions, confirmed = self._run("store", *args, write=True, model=model)
         self._c["stored_blocks"] += stored
         self._c["evictions"] += evictions
         self._c["speculative_confirmed"] += confirmed
@@ -353,7 +387,7 @@ class RedisKVBlockIndex(SideTables):
             if token_ids is None or len(token_ids) == 0:
                 mid = self._mid(model, create=True)
                 stored, evictions, confirmed, unknown = self._run(
-                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *eks, write=True
+                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *eks, write=True, model=model
                 )
                 self._c["stored_blocks"] += stored
                 self._c["evictions"] += evictions
@@ -377,11 +411,11 @@ class RedisKVBlockIndex(SideTables):
                 self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
                 self._models.add(model)
             if self._compat:
-                return self._store(pod, rank, mid, bit, eks, eks)
+                return self._store(pod, rank, mid, bit, eks, eks, model)
             item = _Orphan(pod, rank, tuple(eks), token_ids, bit, extras, lora_name, model, set())
             if parent_engine_key is None:
                 return self._attach(item, None)
-            parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True)
+            parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True, model=model)
             if parent is None:
                 self._add_orphan(int(parent_engine_key), item)
                 return 0
@@ -400,7 +434,8 @@ class RedisKVBlockIndex(SideTables):
             if keep:
                 mid = self._mid(it.model, create=True)
                 attached += self._store(
-                    it.pod, it.dp_rank, mid, it.tier, [it.engine_keys[i] for i in keep], [rks[i] for i in keep]
+                    it.pod, it.dp_rank, mid, it.tier, [it.engine_keys[i] for i in keep], [rks[i] for i in keep],
+                    it.model,
                 )
             if self._orphans:
                 for ek, rk in zip(it.engine_keys, rks):
@@ -426,7 +461,10 @@ class RedisKVBlockIndex(SideTables):
             mid = self._model_ids.get(model)
             if mid is None:
                 mid = self._mid(model, create=True)
-            hits = self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True) if keys else []
+            hits = (
+                self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True, model=model)
+                if keys else []
+            )
             removed = 0
             by_ek = self._orphan_by_ek
             for ek, hit in zip(keys, hits):
@@ -457,7 +495,8 @@ class RedisKVBlockIndex(SideTables):
                 mid = self._mid(model, create=False)
                 mid_arg = "-" if mid is None else str(mid)
             n = int(self._run(
-                "clear", pod, "" if dp_rank is None else int(dp_rank), mid_arg, self._compat_arg, write=True
+                "clear", pod, "" if dp_rank is None else int(dp_rank), mid_arg, self._compat_arg, write=True,
+                model=None if every or mid_arg == "-" else model,
             ))
             self._drop_orphans_of(pod, dp_rank, model)
             if n:
@@ -581,7 +620,7 @@ class RedisKVBlockIndex(SideTables):
         res = self._run("pods", write=False)
         if res is None:
             return frozenset()
-        return frozenset(p.decode() for p in res if p)
+        return frozenset(p.decode() for part in res for p in part)
 
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
@@ -628,8 +667,9 @@ class RedisKVBlockIndex(SideTables):
         """Delete every key of this index's prefix (SCAN + UNLINK); returns how many. For tests and resets."""
         n = 0
         batch: list[bytes] = []
-        for k in self.client.scan_iter(match=self.key_prefix.replace("{", "\\{").replace("}", "\\}") + "*",
-                                       count=1000):
+        # SCAN patterns are globs: every special character of the prefix is escaped
+        pattern = "".join("\\" + c if c in "\\*?[]^-{}" else c for c in self.key_prefix) + "*"
+        for k in self.client.scan_iter(match=pattern, count=1000):
             batch.append(k)
             if len(batch) >= 1000:
                 n += self.client.unlink(*batch)

@@ -8,7 +8,10 @@ transition the script itself observes, never by blind increments).
 Data layout: see the module docstring of :mod:`kvindex.redis_index`.
 Request and engine keys travel as decimal strings and are never used in Lua
 arithmetic (Lua numbers are doubles); tier masks fit in 31 bits and use the
-``bit`` library.  ``ARGV[1]`` of every script is the key prefix.
+``bit`` library.  ``ARGV[1]`` of every script is the key prefix, optionally
+followed by NUL, a model name, NUL and the id the caller knows for it: the
+script then refuses to run (error ``STALEMODEL``) unless the server still
+gives that model that id.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ __all__ = ["SCRIPTS"]
 # Helpers shared by the scripts (prepended to each).
 _COMMON = r"""
 local P = ARGV[1]
+do
+  -- ARGV[1] = prefix NUL model-name NUL model-id: the caller's id of that model must still be the
+  -- server's (a server that lost its data hands the ids out again, to other models)
+  local z = string.find(P, '\0', 1, true)
+  if z then
+    local name, mid = string.match(string.sub(P, z + 1), '^(.*)%z([0-9]+)$')
+    P = string.sub(P, 1, z - 1)
+    if redis.call('HGET', P .. 'mids', name) ~= mid then
+      return redis.error_reply('STALEMODEL the model ids changed (the server lost its data)')
+    end
+  end
+end
 local LRU = P .. 'lru'
 local PK = P .. 'pk'
 local N = P .. 'n'
@@ -562,16 +577,18 @@ end
 return out
 """
 
-# ARGV: P -> {pods with blocks..., '', held pods..., '', pods with speculative entries...}
+# ARGV: P -> {{pods with blocks...}, {held pods...}, {pods with speculative entries...}}
+# (three lists: a pod id may be any string, the empty one included)
 _PODS = r"""
-local out = redis.call('HKEYS', PK)
-out[#out + 1] = ''
-for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do out[#out + 1] = p end
-out[#out + 1] = ''
-for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
-  if redis.call('EXISTS', xkey(p)) == 1 then out[#out + 1] = p end
+local held, spec = {}, {}
+for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do
+  -- held entries expire with the key (held_ttl): the set member outlives them
+  if redis.call('EXISTS', hkey(p)) == 1 then held[#held + 1] = p else redis.call('SREM', HPODS, p) end
 end
-return out
+for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
+  if redis.call('EXISTS', xkey(p)) == 1 then spec[#spec + 1] = p end
+end
+return {redis.call('HKEYS', PK), held, spec}
 """
 
 # ARGV: P -> {keys, entries, engine_keys, pods, speculative}

@@ -1065,6 +1065,24 @@ class IndexCore {
         return d;
     }
 
+    // Per tier bit b (0..63): (keys whose holders' OR-mask has b, holders whose mask has b).
+    std::vector<std::pair<u64, u64>> tier_counts() {
+        std::vector<std::pair<u64, u64>> out(64, {0, 0});
+        std::shared_lock lk(mu_);
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
+            u64 uni = 0;
+            for (const Holder& h : blocks_[i].hs) {
+                uni |= h.mask;
+                for (u64 m = h.mask; m; m &= m - 1) ++out[__builtin_ctzll(m)].second;
+            }
+            for (u64 m = uni; m; m &= m - 1) ++out[__builtin_ctzll(m)].first;
+        }
+        size_t n = 64;
+        while (n && out[n - 1].first == 0) --n;
+        out.resize(n);
+        return out;
+    }
+
     // Bytes the index's own structures hold (capacity, not size; without allocator overhead).
     size_t memory_bytes() {
         std::shared_lock lk(mu_);
@@ -1561,5 +1579,6 @@ NB_MODULE(_native, m) {
         .def("__len__", &IndexCore::len)
         .def("stats", &IndexCore::stats)
         .def("memory_bytes", &IndexCore::memory_bytes)
+        .def("tier_counts", &IndexCore::tier_counts)
         .def("check", &IndexCore::check);
 }

@@ -224,6 +224,19 @@ MALFORMED_EVENT = {"type": "BlockStored", "block_hashes": [1.5], "parent_block_h
                    "token_ids": [], "block_size": 4}
 
 
+def index_view(index, e: ModelEngine, rk2ek: dict[int, int]) -> set[tuple[int, str]]:
+    """What ``index`` claims engine ``e`` (its pod and DP rank) holds, as (engine key, tier)
+    pairs comparable with :meth:`ModelEngine.view`; ``rk2ek`` maps the request keys to look
+    up to their engine keys.  Speculative entries are not the engine's."""
+    keys = list(rk2ek)
+    out = set()
+    for rk, entries in zip(keys, index.lookup(keys)):
+        for x in entries:
+            if x.pod == e.pod and x.dp_rank == e.dp_rank and not x.speculative:
+                out.add((rk2ek[rk], x.tier))
+    return out
+
+
 class ReplayServer:
     """vLLM's replay service for a set of model engines, on real ZMQ ROUTER sockets (one per engine).
 
@@ -231,8 +244,11 @@ class ReplayServer:
     One thread polls every socket.
     """
 
-    def __init__(self, engines: list[ModelEngine], context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, engines: list[ModelEngine], context: zmq.Context | None = None, sndhwm: int | None = None
+    ) -> None:
         self._ctx = context or zmq.Context.instance()
+        self._sndhwm = sndhwm  # the ROUTER's send high-water mark (None: ZMQ's default, 1000, as vLLM's)
         self._socks: dict[zmq.Socket, ModelEngine] = {}
         self._eps: dict[int, str] = {}
         for e in engines:
@@ -245,6 +261,8 @@ class ReplayServer:
     def add(self, e: ModelEngine) -> str:
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
+        if self._sndhwm is not None:
+            s.setsockopt(zmq.SNDHWM, self._sndhwm)
         s.bind("tcp://127.0.0.1:*")
         self._socks[s] = e
         self._eps[id(e)] = s.getsockopt_string(zmq.LAST_ENDPOINT)

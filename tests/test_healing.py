@@ -75,11 +75,13 @@ def test_a_late_join_heals_with_full_reports_only(make_rig: Callable[..., Rig], 
     # the last 3 prompts' batches were in the replay buffer: their full reports taught nothing
     (h,) = heal.states()
     assert (h.healing, h.quiet, h.discoveries) == (True, 3, 9)
+    assert rig.pool.observers_of(POD, 0, MODEL) == (heal._on_stored,)  # observed while healing
     assert send(rig, heal, e, served[0])  # known now: the 4th quiet request in a row ends the episode
     assert not heal.wants_full_report(POD, 0, MODEL)
     (h,) = heal.states()
     assert (h.healing, h.why, h.quiet, h.learned_blocks) == (False, "quiet", 4, s.learned_blocks)
     assert heal.stats().healed_quiet == 1 and heal.stats().healing_streams == 0
+    assert rig.pool.observers_of(POD, 0, MODEL) == ()  # healed: batches apply whole again
     assert not send(rig, heal, e, served[5])
     assert rig.pool.stats().decode_errors == 0
 
@@ -112,6 +114,7 @@ def test_complete_and_unseen_streams(make_rig: Callable[..., Rig]) -> None:
     assert not heal.wants_full_report(POD, 0, None) and not heal.wants_full_report(POD, 0, MODEL)
     assert not heal.wants_full_report(POD, 1, MODEL) and not heal.wants_full_report(POD, None, None)
     assert heal.states() == [] and heal.stats().episodes == 0
+    assert rig.pool.observers_of(POD, 0, MODEL) == ()  # a complete stream keeps the whole-batch apply
 
 
 def test_a_new_loss_starts_a_new_episode(make_rig: Callable[..., Rig]) -> None:

@@ -43,8 +43,10 @@ always whole blocks. So a fully cached prompt of 128 tokens (block size 32)
 reports 96 hit tokens; one of 130 tokens reports 128.
 
 Other endpoints: ``GET /metrics`` (Prometheus text from the router's own
-``CollectorRegistry``: requests and predicted cached tokens per pod, engine
-load, index size, events ingested, gaps, replays, ...), ``GET /health``
+``CollectorRegistry``: requests, predicted and engine-reported cached tokens
+per pod, engine load, and the library's metrics from :mod:`indexer.metrics`:
+index size per tier, events ingested per stream, errors by kind, gaps,
+replays, drops, score latency, ...), ``GET /health``
 (200 while at least one engine's ``/metrics`` answered at the last refresh,
 503 otherwise), ``GET /decisions?limit=N`` (the bounded in-memory log of
 routing decisions, newest last) and ``GET /v1/models`` (from one engine).
@@ -71,7 +73,6 @@ import msgspec
 import yaml
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from indexer import Config, Indexer
@@ -343,44 +344,21 @@ class Decision(msgspec.Struct, kw_only=True):
 
 
 class _IndexerCollector(Collector):
-    """Exposes the embedded indexer's counters (read at scrape time)."""
+    """Serves the embedded indexer's library metrics (:mod:`indexer.metrics`), read at scrape time.
+
+    A proxy rather than registering ``indexer.metrics`` itself, because the
+    indexer is built in :meth:`Router.start`, after the registry.
+    """
 
     def __init__(self, router: Router) -> None:
         self._router = router
 
     def collect(self):  # type: ignore[no-untyped-def]
-        """Yield index sizes and write-path counters as metric families."""
+        """The indexer's families (nothing before :meth:`Router.start`)."""
         ix = self._router.indexer
         if ix is None:
             return
-        st = ix.stats()
-        gauges = {
-            "kvindex_index_keys": ("Request keys (blocks) held by the index.", st.index.keys),
-            "kvindex_index_entries": ("(block, pod, DP rank) entries in the index.", st.index.entries),
-            "kvindex_index_pods": ("Pods holding at least one block.", st.index.pods),
-            "kvindex_index_orphan_blocks": ("Blocks waiting for their parent block.", st.index.orphan_blocks),
-            "kvindex_event_queue": ("KV-event messages waiting in the pool queues.", st.events.queued),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "kvindex_event_messages": ("KV-event messages received from the engines.", st.received_messages),
-            "kvindex_event_batches": ("KV-event batches applied (live and replayed).", st.events.batches),
-            "kvindex_events": ("KV events applied to the index.", st.events.events),
-            "kvindex_blocks_stored": ("Blocks stored by BlockStored events.", st.events.blocks_stored),
-            "kvindex_blocks_removed": ("Blocks removed by BlockRemoved events.", st.events.blocks_removed),
-            "kvindex_event_clears": ("AllBlocksCleared events and engine restarts applied.", st.events.clears),
-            "kvindex_event_gaps": ("Sequence gaps seen in the engines' event streams.", st.events.gaps),
-            "kvindex_event_gaps_unrecovered": ("Gaps a replay could not fill.", st.events.gaps_unrecovered),
-            "kvindex_event_replay_requests": ("Replays asked from the engines.", st.events.replay_requests),
-            "kvindex_event_replayed_batches": ("Batches received by replays.", st.events.replayed_batches),
-            "kvindex_event_restarts": ("Engine restarts detected (sequence back to 0).", st.events.restarts),
-            "kvindex_event_dropped_messages": ("Messages dropped on full queues.", st.events.dropped_messages),
-            "kvindex_event_decode_errors": ("Messages or events that failed to decode or apply.", st.events.decode_errors),
-            "kvindex_index_evictions": ("Request keys evicted by the index's size bound.", st.index.evictions),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
+        yield from ix.metrics.collect()
 
     def describe(self):  # type: ignore[no-untyped-def]
         """No fixed description: families are produced at scrape time."""
@@ -464,6 +442,22 @@ class Router:
         self.m_scrape_errors = Counter(
             "kvindex_router_engine_scrape_errors", "Failed /metrics refreshes, by pod.", ["pod"], registry=r
         )
+        self.m_engine_cached = Counter(
+            "kvindex_router_engine_cached_tokens",
+            "Engine-reported prefix-cache hit tokens (increase of vllm:prefix_cache_hits_total between "
+            "the router's refreshes of the engine's /metrics), by pod; compare with "
+            "kvindex_router_predicted_cached_tokens_total.",
+            ["pod"],
+            registry=r,
+        )
+        self.m_engine_queried = Counter(
+            "kvindex_router_engine_queried_tokens",
+            "Engine-reported prompt tokens looked up in the prefix cache (increase of "
+            "vllm:prefix_cache_queries_total between refreshes), by pod.",
+            ["pod"],
+            registry=r,
+        )
+        self._engine_counters: dict[str, tuple[float, float]] = {}  # pod -> last (hits, queries)
         r.register(_IndexerCollector(self))
         for pod in self.engines:
             self.m_in_flight.labels(pod).set(0)
@@ -516,6 +510,26 @@ class Router:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _count_engine_hits(self, pod: str, hits: float | None, queries: float | None) -> None:
+        """Add the increase of the engine's prefix-cache counters since the last refresh.
+
+        The first refresh only sets the baseline (hits before the router
+        started are not the router's); a counter that went down means the
+        engine restarted, and its new value is the increase.
+        """
+        if hits is None or queries is None:
+            return
+        last = self._engine_counters.get(pod)
+        self._engine_counters[pod] = (hits, queries)
+        if last is None:
+            self.m_engine_cached.labels(pod).inc(0)
+            self.m_engine_queried.labels(pod).inc(0)
+            return
+        dh = hits - last[0] if hits >= last[0] else hits
+        dq = queries - last[1] if queries >= last[1] else queries
+        self.m_engine_cached.labels(pod).inc(dh)
+        self.m_engine_queried.labels(pod).inc(dq)
 
     async def _discover_model(self) -> str:
         assert self._session is not None
@@ -573,6 +587,7 @@ class Router:
             self.m_waiting.labels(spec.pod).set(res.waiting)
             self.m_running.labels(spec.pod).set(res.running)
             self.m_kv_usage.labels(spec.pod).set(res.kv_usage)
+            self._count_engine_hits(spec.pod, res.prefix_cache_hits, res.prefix_cache_queries)
         unknown = set(self.indexer.index.pods()) - set(self.engines) - self._warned_pods
         for pod in sorted(unknown):
             log.warning(

@@ -251,6 +251,9 @@ def test_router_metrics_health_and_decisions(outcome: Outcome) -> None:
     assert samples["kvindex_event_messages_total"] > 0
     assert samples["kvindex_event_gaps_total"] == 0
     assert samples["kvindex_event_replay_requests_total"] >= 2  # one catch-up replay per engine at start
+    assert samples["kvindex_score_duration_seconds_count"] >= n  # the library's read-path histogram
+    assert samples["kvindex_stream_batches_total"] > 0  # per (pod, model, DP rank)
+    assert "kvindex_router_engine_cached_tokens_total" in samples  # engine-reported, next to the prediction
     assert outcome.health_status == 200
     assert outcome.health["engines"] == {"pod-0": True, "pod-1": True}
     assert [d["id"] for d in outcome.decisions] == list(range(1, n + 1))
