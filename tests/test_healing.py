@@ -283,9 +283,12 @@ def test_router_adds_the_full_report_while_healing(make_rig: Callable[..., Rig],
         assert not any(full)
         return
     # 7 of the 10 prompts were cached before the router joined and outside the replay buffer: they
-    # discover; the last 3 (buffered) and the repeats are quiet: 3 in a row end the episode
-    assert full == [True] * 10 + [False] * 4
-    assert f'kvindex_router_full_reports_total{{pod="{POD}"}} 10.0' in metrics
+    # discover; the last 3 (buffered) and the repeats are quiet: 3 in a row end the episode.  The router
+    # counts a request as ended when its answer is back, which may be before the engine's re-announce
+    # of it is applied: the 7th discovery then lands during the 8th request and costs one more request.
+    sent = sum(full)
+    assert sent in (10, 11) and full == [True] * sent + [False] * (len(full) - sent), full
+    assert f'kvindex_router_full_reports_total{{pod="{POD}"}} {sent}.0' in metrics
 
 
 def test_router_command_line_and_config_healing_options() -> None:
