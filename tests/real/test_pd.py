@@ -109,8 +109,9 @@ async def two_turns(
         history[200] = 3 if history[200] != 3 else 4
     prompt2 = history + ids(cid + "/2", 40)
     # P's and D's events of turn 1 reach the index before turn 2 is planned
-    await rr.router.wait_indexed(prompt1, fleet.prefill.pod, timeout=10.0)
-    await rr.router.wait_indexed(retained, fleet.decode.pod, timeout=10.0)
+    # (generous: two NIXL engines each spin a core, and the 2-core machine may be loaded)
+    assert await rr.router.wait_indexed(prompt1, fleet.prefill.pod, timeout=180.0), "P's turn-1 events never indexed"
+    assert await rr.router.wait_indexed(retained, fleet.decode.pod, timeout=180.0), "D's turn-1 events never indexed"
     if wait:
         await asyncio.sleep(wait)
     t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
