@@ -47,7 +47,7 @@ import xxhash
 import zmq
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kvevents.replay import ReplayClient
+from kvevents.replay import ReplayClient, ReplayCut
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
@@ -128,7 +128,12 @@ class PoolStats(msgspec.Struct, frozen=True):
     buffer contradicts: hostile or corrupt publishers); replay_failures:
     replays or restart checks that timed out or failed; replay_holes: replays
     with a seq missing inside them (a reply lost on the way), asked again from
-    the hole; incomplete_streams:
+    the hole; replay_retries: replays asked again after one failed without
+    applying anything (with backoff, see :class:`EventPool`); deferred: live
+    messages not applied while their stream waited for such a retry (the
+    retry fetches them from the engine's buffer); replay_cuts: replays cut off
+    at ``replay_max_batches`` (or their time limit) after applying something,
+    the rest asked for at once; incomplete_streams:
     streams whose completeness flag is false now (see
     :meth:`EventPool.completeness`); index_unavailable: events not applied
     because the index's store (Redis) was unreachable; rebuilds: streams
@@ -160,6 +165,9 @@ class PoolStats(msgspec.Struct, frozen=True):
     replay_holes: int = 0
     index_unavailable: int = 0
     rebuilds: int = 0
+    replay_retries: int = 0
+    deferred: int = 0
+    replay_cuts: int = 0
 
 
 class RateLimitedLog:
@@ -194,13 +202,15 @@ class _Stream:
         "messages", "batches", "events", "clears", "stored", "removed",
     )
 
-    def __init__(self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str) -> None:
+    def __init__(
+        self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str, max_retries: int = 10
+    ) -> None:
         self.pod = pod
         self.model = model
         self.rank = rank
         self.replay_endpoint = replay_endpoint
         self.engine = engine
-        self.seq = Sequencer(replay_endpoint is not None)
+        self.seq = Sequencer(replay_endpoint is not None, max_retries)
         self.complete_since: float | None = None  # monotonic time it last became complete
         self.why = "no batch yet"
         # ingest counters of this stream (read by EventPool.stream_counters)
@@ -297,7 +307,7 @@ class _Counters:
         "messages", "batches", "events", "blocks_stored", "blocks_removed", "clears",
         "decode_errors", "gaps", "gaps_unrecovered", "replay_requests", "replayed_batches",
         "duplicates", "restarts", "resyncs", "stale", "unconfirmed", "replay_failures", "replay_holes",
-        "errors_by_kind", "index_unavailable", "rebuilds",
+        "errors_by_kind", "index_unavailable", "rebuilds", "replay_retries", "deferred", "replay_cuts",
     )
 
     def __init__(self) -> None:
@@ -326,6 +336,8 @@ class _Shard:
         self.resync: set[str] = set()  # pods that lost a message to a full queue
         self.resync_due: set[tuple[str, str | None, int]] = set()
         self.forget_due: set[str] = set()  # removed pods whose clear the index could not take yet
+        # streams whose failed replay is to be asked again: key -> (monotonic deadline, failures then)
+        self.retry_at: dict[tuple[str, str | None, int], tuple[float, int]] = {}
         # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
         self.index_gen = getattr(pool.index, "generation", 0)
         self.replay = ReplayClient(
@@ -355,6 +367,8 @@ class _Shard:
                     self._guarded(self._index_reset)
                 if self.resync:
                     self._guarded(self._note_drops)
+                if self.retry_at:
+                    self._guarded(self._retries)
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
@@ -384,6 +398,8 @@ class _Shard:
             self._note_drops()
             if self.resync_due or self.forget_due:
                 self._resync()
+            if self.retry_at:
+                self._retries()
             item.done.set()
         elif isinstance(item, _Bootstrap):
             self._bootstrap(item)
@@ -397,6 +413,7 @@ class _Shard:
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
                 self.resync_due.discard(key)
+                self.retry_at.pop(key, None)
             try:
                 self.pool.index.clear(item.pod)
             except IndexUnavailable as exc:
@@ -410,7 +427,9 @@ class _Shard:
         key = (pod, model, rank)
         st = self.streams.get(key)
         if st is None:
-            st = self.streams[key] = _Stream(pod, model, rank, source.replay_endpoint(pod, rank), source.engine)
+            st = self.streams[key] = _Stream(
+                pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries
+            )
         return st
 
     # -- messages
@@ -557,18 +576,44 @@ class _Shard:
 
     def _replay(self, st: _Stream, start: int) -> None:
         """Ask the stream's engine for its batches from ``start``; feed them and the end to the sequencer."""
-        ok = False
+        ok = cut = False
         try:
             for seq, batch in self._replay_items(st, start):
                 self._run(st, st.seq.replayed(None if batch is None else _as_batch(seq, batch), seq))
                 if st.seq.hole_pending:
                     break  # a reply was lost: stop reading (the socket is discarded) and ask again at once
             ok = True
+        except ReplayCut as exc:
+            cut = True
+            self.pool.rlog.warn("replay_cut", "kvevents: pod %s rank %s: %s", st.pod, st.rank, exc)
         except TimeoutError:
             self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")
         except (ValueError, zmq.ZMQError) as exc:
             self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
-        self._run(st, st.seq.replay_end(ok))
+        self._run(st, st.seq.replay_end(ok, cut))
+        sq = st.seq
+        if sq.retry_pending:
+            key = (st.pod, st.model, st.rank)
+            when = self.retry_at.get(key)
+            if when is None or when[1] != sq.retry_attempts:
+                pool = self.pool
+                delay = sq.retry_delay(pool.replay_retry_delay, pool.replay_retry_max_delay)
+                self.retry_at[key] = (time.monotonic() + delay, sq.retry_attempts)
+
+    def _retries(self) -> None:
+        """Ask again the failed replays whose backoff has passed (while the index takes writes)."""
+        now = time.monotonic()
+        due = [key for key, (t, _n) in self.retry_at.items() if t <= now]
+        if not due:
+            return
+        writable = getattr(self.pool.index, "writable", None)
+        if writable is not None and not writable():
+            return
+        for key in due:
+            self.retry_at.pop(key, None)
+            st = self.streams.get(key)
+            if st is not None:
+                self._run(st, st.seq.retry())
 
     def _same_process(self, st: _Stream, seq: int) -> bool | None:
         """Is the publisher still the process whose batch ``seq`` we applied?
@@ -686,7 +731,22 @@ class EventPool:
         queue_size: bound of each shard's queue in messages, >= 1.
         replay_timeout: seconds to wait for each replay reply before giving up.
         replay_max_batches: a replay that sends more batches than this without
-            its end marker is cut off (vLLM's buffer holds 10,000 by default).
+            its end marker is cut off (vLLM's buffer holds 10,000 by default);
+            what it applied stays, the stream is incomplete meanwhile and the
+            rest is asked for at once from the first missing seq
+            (``replay_cuts``).
+        replay_retries: a replay (or a stream's start check) that times out or
+            fails without applying anything is asked again up to this many
+            times in a row (``replay_retries``), >= 0.
+        replay_retry_delay / replay_retry_max_delay: seconds before the first
+            retry (default: the shard's idle poll, 0.05 s), doubled after each
+            failure, at most the max (default 5 s; with the defaults the 10
+            retries span ~21 s plus their timeouts).  Meanwhile the stream
+            stays at its last applied batch and incomplete, and live messages
+            that need the replay are not applied (``deferred``: the retry
+            fetches them from the engine's buffer).  When the retries run out
+            the stream goes on as without a replay endpoint (incomplete) until
+            the endpoint answers a later check.
         zmq_context: context for replay sockets (default: the process's).
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
@@ -701,6 +761,9 @@ class EventPool:
         queue_size: int = 10_000,
         replay_timeout: float = 2.0,
         replay_max_batches: int = 20_000,
+        replay_retries: int = 10,
+        replay_retry_delay: float = 0.05,
+        replay_retry_max_delay: float = 5.0,
         zmq_context: zmq.Context | None = None,
     ) -> None:
         if concurrency < 1:
@@ -714,8 +777,18 @@ class EventPool:
             raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {replay_timeout}")
         if replay_max_batches < 1:
             raise ValueError(f"replay_max_batches must be >= 1, got {replay_max_batches}")
+        if replay_retries < 0:
+            raise ValueError(f"replay_retries must be >= 0, got {replay_retries}")
+        if not 0 < replay_retry_delay <= replay_retry_max_delay < 3600:
+            raise ValueError(
+                "need 0 < replay_retry_delay <= replay_retry_max_delay < 3600 seconds, got "
+                f"{replay_retry_delay}, {replay_retry_max_delay}"
+            )
         self.replay_timeout = replay_timeout
         self.replay_max_batches = replay_max_batches
+        self.replay_retries = replay_retries
+        self.replay_retry_delay = replay_retry_delay
+        self.replay_retry_max_delay = replay_retry_max_delay
         self.zmq_context = zmq_context or zmq.Context.instance()
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
@@ -911,6 +984,10 @@ class EventPool:
             queued=queued,
             incomplete_streams=sum(1 for s in self.completeness() if not s.complete),
         )
+
+    def pending_retries(self) -> int:
+        """Streams whose failed replay is waiting to be asked again (a snapshot)."""
+        return sum(1 for s in self._shards for st in list(s.streams.values()) if st.seq.retry_pending)
 
     def streams(self) -> Iterator[tuple[str, int, int | None]]:
         """(pod, dp_rank, last applied seq) for every stream seen (a snapshot)."""

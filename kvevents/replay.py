@@ -16,9 +16,22 @@ from collections.abc import Callable, Iterator
 
 import zmq
 
-__all__ = ["END_SEQ_FRAME", "ReplayClient"]
+__all__ = ["END_SEQ_FRAME", "ReplayClient", "ReplayCut"]
 
 END_SEQ_FRAME = b"\xff" * 8
+
+
+class ReplayCut(Exception):
+    """A replay was cut off by the client's bounds before its end marker came.
+
+    ``batches``: how many batches it yielded before the cut.  The batches
+    after them were not read: the caller asks again from the first one it
+    lacks.
+    """
+
+    def __init__(self, endpoint: str, batches: int, why: str) -> None:
+        super().__init__(f"replay from {endpoint} cut off after {batches} batches ({why})")
+        self.batches = batches
 
 
 class ReplayClient:
@@ -30,11 +43,11 @@ class ReplayClient:
         context: ZMQ context.
         timeout: seconds to wait for each reply before giving up.
         on_error: called with (kind, message) for a malformed reply, which is
-            then skipped, and for a replay cut off (``replay_overrun``).
+            then skipped.
         max_batches: a reply stream longer than this without its end marker is
-            cut off (an engine buffers 10,000 batches by default).
+            cut off (:class:`ReplayCut`; an engine buffers 10,000 batches by default).
         max_seconds: a whole replay taking longer than this is cut off
-            (default: 10 x timeout).
+            (:class:`ReplayCut`; default: 10 x timeout).
     """
 
     def __init__(
@@ -71,9 +84,12 @@ class ReplayClient:
         """Yield ``(topic or None, seq frame, payload)`` for each buffered batch from ``start_seq``.
 
         Stops at the end marker.  Raises TimeoutError when a reply does not
-        come within the timeout (the socket is then discarded so that late
-        replies cannot be mistaken for the next request's).  ValueError for a
-        start_seq outside 0..2**64-2.
+        come within the timeout, :class:`ReplayCut` when a batch arrives
+        after ``max_batches`` were yielded or after ``max_seconds`` (a
+        stream exactly ``max_batches`` long still ends normally); in both
+        cases the socket is discarded so that late replies cannot be mistaken
+        for the next request's.  ValueError for a start_seq outside
+        0..2**64-2.
         """
         if not 0 <= start_seq < 2**64 - 1:
             raise ValueError(f"start_seq out of range: {start_seq}")
@@ -84,10 +100,8 @@ class ReplayClient:
         try:
             sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
             while True:
-                if yielded >= self._max_batches or time.monotonic() > deadline:
-                    if self.on_error is not None:
-                        self.on_error("replay_overrun", f"replay from {endpoint} cut off after {yielded} batches")
-                    return
+                if time.monotonic() > deadline:
+                    raise ReplayCut(endpoint, yielded, f"longer than {self._max_seconds:g} s")
                 if not sock.poll(self._timeout_ms, zmq.POLLIN):
                     raise TimeoutError(f"no replay reply from {endpoint}")
                 frames = sock.recv_multipart()
@@ -102,6 +116,8 @@ class ReplayClient:
                 if seq == END_SEQ_FRAME:
                     finished = True
                     return
+                if yielded >= self._max_batches:
+                    raise ReplayCut(endpoint, yielded, f"more than {self._max_batches} batches")
                 yielded += 1
                 yield topic, seq, payload
         finally:

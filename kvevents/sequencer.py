@@ -190,6 +190,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
+        "max_retries", "retry_attempts", "_retry", "_gave_up",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -198,8 +199,17 @@ class Sequencer:
     #: replayed-batch timestamps kept to recognise duplicates (bounded)
     MAX_REMEMBERED = 50_000
 
-    def __init__(self, has_replay: bool) -> None:
+    #: the replay ops whose failure (nothing applied) is retried with backoff
+    RETRIED_OPS = ("gap", "fresh", "bootstrap", "resync", "restart")
+
+    def __init__(self, has_replay: bool, max_retries: int = 10) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         self.has_replay = has_replay
+        self.max_retries = max_retries  # retries of a replay that failed without applying anything
+        self.retry_attempts = 0  # replays in a row that failed without applying anything
+        self._retry: str | None = None  # the op of the replay to ask again (see ``retry``)
+        self._gave_up = False  # the retries ran out: failures are not retried until the endpoint answers
         self.last: int | None = None  # last applied seq
         self.last_ts: float | None = None
         self.exact = False  # applied state == engine state as of ``last``
@@ -252,6 +262,7 @@ class Sequencer:
 
     def _start_replay(self, out: list[Action], op: str, start: int) -> list[Action]:
         self._op = op
+        self._retry = None  # this replay stands for any retry that was due
         self._r_verify = None
         self._r_restart = False
         if op in ("gap", "resync") and self.last is not None and start == self.last + 1:
@@ -275,6 +286,15 @@ class Sequencer:
         if seq > self._replay_max:
             self._replayed.clear()
             self._holes.clear()
+
+    @property
+    def retry_pending(self) -> bool:
+        """A replay failed without applying anything and is to be asked again (:meth:`retry`)."""
+        return self._retry is not None
+
+    def retry_delay(self, base: float, cap: float) -> float:
+        """Seconds to wait before the pending :meth:`retry`: ``base`` doubled per failure in a row, at most ``cap``."""
+        return min(cap, base * 2.0 ** max(0, min(self.retry_attempts - 1, 60)))
 
     @property
     def hole_pending(self) -> bool:
@@ -319,6 +339,15 @@ class Sequencer:
                 out.append(Count("unconfirmed"))
                 if b.seq == cb.seq:
                     return out  # the same message again
+        if self._retry is not None and (
+            self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
+                self._resync_due or self.last_ts is not None and b.ts < self.last_ts
+            )
+        ):
+            # a replay this message needs failed and is asked again later (``retry``): the engine's
+            # buffer holds this message too, so it waits there rather than being applied past a hole
+            out.append(Count("deferred"))
+            return out
         if self.suspect and self.last is not None:
             self.suspect = False
             if b.seq != self.last + 1:
@@ -458,9 +487,27 @@ class Sequencer:
         self._apply(out, b, replayed=True)
         return out
 
-    def replay_end(self, ok: bool) -> list[Action]:
-        """The replay in progress ended: ``ok`` when its end marker came, False on timeout or error."""
+    def replay_end(self, ok: bool, cut: bool = False) -> list[Action]:
+        """The replay in progress ended: ``ok`` when its end marker came, False on timeout or error.
+
+        ``cut``: the client stopped reading it at its bound (``replay_max_batches``
+        batches, or its time limit) before the end marker: the batches after
+        the cut were not applied.  When the replay applied something the rest
+        is asked for at once from the first missing seq (counted
+        ``replay_cuts``); a cut that applied nothing is a failure like a
+        timeout.  A failure that applied nothing is asked again later
+        (:meth:`retry`, backoff chosen by the caller from :meth:`retry_delay`)
+        up to ``max_retries`` times in a row; meanwhile the stream stays at its
+        last batch, incomplete, and live messages that would need the replay
+        wait in the engine's buffer (``deferred``).  When the retries run out,
+        the stream goes on as without a replay endpoint (the gap counted
+        ``gaps_unrecovered``, the stream incomplete); later gaps still ask the
+        endpoint once each, but their failures are retried again only after
+        the endpoint has answered a replay or check.
+        """
         out: list[Action] = []
+        if cut:
+            out.append(Count("replay_cuts"))
         if self._r_restart:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
@@ -468,17 +515,28 @@ class Sequencer:
             self._r_hole = False
             self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
             return self._start_replay(out, self._op or "gap", self.last + 1)  # type: ignore[operator]
+        progressed = self.last is not None and self.last != self._r_last0
+        if cut and progressed and self._op in self.RETRIED_OPS and self.last < 2**64 - 2:  # type: ignore[operator]
+            # the endpoint holds more than one replay may read: the rest, from the first missing seq
+            self._r_retries = 0
+            self.retry_attempts = 0
+            if not self.lost:
+                self.lost = True
+                self._set_complete(out, "replay cut off at its bound; asking for the rest")
+            return self._start_replay(out, self._op, self.last + 1)  # type: ignore[arg-type, operator]
         if (
-            not ok and self.MAX_HOLE_RETRIES > 0 and self.last is not None and self.last != self._r_last0
+            not ok and self.MAX_HOLE_RETRIES > 0 and progressed
             and self._op in ("gap", "fresh", "bootstrap", "resync")
         ):
             # the replay stopped after making progress: its tail (end marker included) was lost on
             # the way, as a hole with nothing after it; ask again from the first missing seq
             out.append(Count("replay_holes"))
             self._r_retries = 0
-            return self._start_replay(out, self._op, self.last + 1)
+            self.retry_attempts = 0
+            return self._start_replay(out, self._op, self.last + 1)  # type: ignore[arg-type, operator]
         self._r_retries = 0
         op, self._op = self._op, None
+        hold = False  # a failure that applied nothing, asked again later: the stream waits at ``last``
         if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
             # the engine holds nothing from our last batch on: a new process whose seqs are
             # still below ours (the pending message, if any, is judged after its rebuild)
@@ -488,14 +546,30 @@ class Sequencer:
         pending, self._pending = self._pending, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
+            self.retry_attempts = 0
+            self._gave_up = False
             if self._candidate is not None and self._r_count > 0:
                 self._candidate = None  # the engine's buffer is the authority now
                 out.append(Count("unconfirmed"))
         else:
             out.append(Count("replay_failures"))
-            if op in ("gap", "fresh"):
+            if progressed:
+                self.retry_attempts = 0
+            elif self.has_replay and op in self.RETRIED_OPS and not self._gave_up:
+                self.retry_attempts += 1
+                if self.retry_attempts <= self.max_retries:
+                    hold = True
+                    self._retry = op
+                    self.lost = True
+                else:
+                    self.retry_attempts = 0
+                    self._gave_up = True  # taken as is until the endpoint answers again
+            if not hold and op in ("gap", "fresh"):
                 out.append(Count("gaps_unrecovered"))
                 self.exact = False
+        if pending is not None and hold and (self.last is None or pending.seq > self.last):
+            out.append(Count("deferred"))  # the retry fetches it from the engine's buffer
+            pending = None
         if pending is not None:
             if self.last is None:
                 if ok:
@@ -522,11 +596,34 @@ class Sequencer:
         self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
         return out
 
+    def retry(self) -> list[Action]:
+        """Ask again the replay that failed without applying anything (when :attr:`retry_pending`).
+
+        The caller calls it once :meth:`retry_delay` has passed since the
+        failure (and the index takes writes).  The replay is asked from the
+        stream's last batch on (from seq 0 when it holds none), as a gap
+        replay: the engine must still hold our last batch, so a restart during
+        the outage is caught.  Returns [] when no retry is pending.
+        """
+        out: list[Action] = []
+        if self._retry is None or self._op is not None:
+            return out
+        op, self._retry = self._retry, None
+        out.append(Count("replay_retries"))
+        if self.last is None:
+            return self._start_replay(out, op, 0)
+        if self.last >= 2**64 - 2:
+            return out
+        self._resync_due = False  # the retry checks the process and replays what was missed
+        return self._start_replay(out, "resync" if op == "resync" else "gap", self.last + 1)
+
     def confirmed(self, same: bool | None) -> list[Action]:
         """Answer to :class:`Confirm`: True = the process we know; False = another; None = could not ask."""
         out: list[Action] = []
         op, self._op = self._op, None
         pending, self._pending = self._pending, None
+        if same is not None:
+            self._gave_up = False  # the endpoint answers again
         if same is None:
             out.append(Count("replay_failures"))
             if pending is not None:
@@ -623,7 +720,10 @@ class Sequencer:
                 return self._start_replay(out, "restart", 0)
             self._set_complete(out, "rebuilt without replay")
             return out
-        if self._resync_due and self.lost and self.has_replay and not self.suspect and self._candidate is None:
+        if (
+            self._resync_due and self.lost and self.has_replay and not self.suspect and self._candidate is None
+            and self._retry is None
+        ):
             self._resync_due = False
             out.append(Count("resyncs"))
             start = 0 if self.last is None else self.last + 1

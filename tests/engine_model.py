@@ -241,7 +241,9 @@ class ReplayServer:
     """vLLM's replay service for a set of model engines, on real ZMQ ROUTER sockets (one per engine).
 
     ``endpoint(engine)`` is the ``tcp://127.0.0.1:PORT`` a DEALER connects to.
-    One thread polls every socket.
+    One thread polls every socket.  :meth:`pause` makes an engine's endpoint
+    take requests without answering them (an engine too busy to serve its
+    replay socket, or one whose replies are all lost) until :meth:`resume`.
     """
 
     def __init__(
@@ -251,6 +253,7 @@ class ReplayServer:
         self._sndhwm = sndhwm  # the ROUTER's send high-water mark (None: ZMQ's default, 1000, as vLLM's)
         self._socks: dict[zmq.Socket, ModelEngine] = {}
         self._eps: dict[int, str] = {}
+        self._paused: set[int] = set()  # id() of engines whose requests go unanswered
         for e in engines:
             self.add(e)
         self._stop = threading.Event()
@@ -271,6 +274,17 @@ class ReplayServer:
     def endpoint(self, e: ModelEngine) -> str:
         return self._eps[id(e)]
 
+    def pause(self, e: ModelEngine) -> None:
+        """From now on ``e``'s requests are taken and dropped: the asker times out."""
+        self._paused.add(id(e))
+
+    def resume(self, e: ModelEngine) -> None:
+        """``e``'s endpoint answers again (requests dropped meanwhile stay unanswered)."""
+        self._paused.discard(id(e))
+
+    def paused(self, e: ModelEngine) -> bool:
+        return id(e) in self._paused
+
     def _run(self) -> None:
         poller = zmq.Poller()
         for s in self._socks:
@@ -281,6 +295,8 @@ class ReplayServer:
                 if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                     continue
                 ident, start = frames[0], int.from_bytes(frames[2], "big")
+                if id(self._socks[s]) in self._paused:
+                    continue
                 for topic, seq, payload in self._socks[s].buffered(start):
                     s.send_multipart([ident, b"", topic, seq, payload])
                 s.send_multipart([ident, b"", self._socks[s].topic, END_SEQ, b""])

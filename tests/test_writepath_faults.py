@@ -27,11 +27,12 @@ TP = TokenProcessor(block_size=BS, hash_seed=5)
 class Rig:
     """Model engines with real replay endpoints -> EventPool -> KVBlockIndex."""
 
-    def __init__(self, *engines: ModelEngine, replay: bool = True, queue_size: int = 10_000) -> None:
+    def __init__(self, *engines: ModelEngine, replay: bool = True, queue_size: int = 10_000, **pool_kw: object) -> None:
         self.engines = list(engines)
         self.index = KVBlockIndex(TP)
         self.server = ReplayServer(self.engines) if replay else None
-        self.pool = EventPool(self.index, concurrency=2, queue_size=queue_size, replay_timeout=2.0)
+        pool_kw.setdefault("replay_timeout", 2.0)
+        self.pool = EventPool(self.index, concurrency=2, queue_size=queue_size, **pool_kw)  # type: ignore[arg-type]
         self.pool.start()
 
     def source(self, e: ModelEngine) -> Source:
@@ -151,9 +152,133 @@ def test_stale_messages_under_a_burst_settle_with_one_replay(rigs: list[Rig]) ->
     assert rig.pool.flush(30)
     s = rig.pool.stats()
     assert dropped > 0 and s.restarts == 0 and s.clears == 0
-    assert s.replay_requests <= 2 + s.gaps  # one per gap (and the resync), not one per queued message
+    # one per gap, per drop notice (resync) and per hole, never one per queued message
+    assert s.replay_requests <= 1 + s.gaps + s.resyncs + s.replay_holes and s.replay_requests < 20
     assert rig.view(e) == e.view()
     assert rig.state(e).complete
+
+
+# ---------------------------------------------------------------- replays that fail or are cut
+
+
+def wait_for(cond, timeout: float = 20.0) -> bool:
+    """Poll ``cond()`` until it holds or ``timeout`` seconds pass (retries run on the pool's own clock)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_replay_that_times_out_is_retried_once_the_endpoint_answers(rigs: list[Rig]) -> None:
+    """The endpoint does not answer for a while (busy engine, replies lost), then does: the gap is filled."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_timeout=0.3)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10) and rig.state(e).complete
+    rig.server.pause(e)
+    e.publish(remove(e, [PATHS.ek(0, 2)]))  # lost on the way
+    for p in (1, 2, 3):
+        rig.deliver(e, e.publish(store(e, p)))  # seq 2 shows the gap; its replay times out
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.replay_failures >= 1 and not rig.state(e).complete and rig.pool.pending_retries() == 1
+    # the stream waits at its last batch: the messages past the gap are fetched by the retry
+    assert s.deferred >= 2 and rig.state(e).last_seq == 0
+    rig.server.resume(e)
+    # no further live message: the retry alone converges
+    assert wait_for(lambda: rig.state(e).complete), rig.state(e)
+    assert rig.view(e) == e.view() and rig.state(e).last_seq == e.next_seq - 1
+    s = rig.pool.stats()
+    assert s.replay_retries >= 1 and s.gaps_unrecovered == 0 and s.restarts == 0 and s.clears == 0
+    assert rig.pool.pending_retries() == 0
+    # and the live stream goes on
+    for p in (4, 5):
+        rig.deliver(e, e.publish(store(e, p)))
+    rig.deliver(e, e.publish(remove(e, [PATHS.ek(4, 1), PATHS.ek(4, 2)])))
+    assert rig.pool.flush(10)
+    assert rig.view(e) == e.view() and rig.state(e).complete
+
+
+def test_a_stream_whose_endpoint_does_not_answer_at_first_starts_once_it_does(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_timeout=0.3)
+    rigs.append(rig)
+    rig.server.pause(e)
+    for p in range(3):
+        rig.deliver(e, e.publish(store(e, p)))
+    assert rig.pool.flush(10)
+    assert rig.state(e).last_seq is None and not rig.state(e).complete
+    rig.server.resume(e)
+    assert wait_for(lambda: rig.state(e).complete), rig.state(e)
+    assert rig.view(e) == e.view()
+    assert rig.pool.stats().gaps_unrecovered == 0
+
+
+def test_retries_are_bounded_then_the_live_stream_is_taken_as_is(rigs: list[Rig]) -> None:
+    """An endpoint that never answers: a bounded number of retries, then live messages apply (incomplete)."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_timeout=0.2, replay_retries=3, replay_retry_max_delay=0.2)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10) and rig.state(e).complete
+    rig.server.pause(e)
+    e.publish(store(e, 1))  # lost
+    rig.deliver(e, e.publish(store(e, 2)))
+    assert rig.pool.flush(10)
+    assert wait_for(lambda: rig.pool.stats().replay_failures >= 4)
+    time.sleep(1.0)  # longer than the capped backoff plus a timeout: no fifth retry comes
+    assert rig.pool.pending_retries() == 0
+    s = rig.pool.stats()
+    # the gap replay, then 3 retries with backoff, then no more: a dead endpoint costs a bounded time
+    assert s.replay_requests == 1 + 1 + 3 and s.replay_retries == 3 and s.replay_failures == 4
+    assert s.gaps_unrecovered == 1 and not rig.state(e).complete
+    for p in (3, 4):  # the next gap asks once more, then is taken as is (no more retries)
+        rig.deliver(e, e.publish(store(e, p)))
+    assert rig.pool.flush(10)
+    time.sleep(1.0)
+    st_ = rig.state(e)
+    assert st_.last_seq == e.next_seq - 1 and not st_.complete
+    s = rig.pool.stats()
+    assert s.replay_requests == 6 and s.replay_retries == 3 and rig.pool.pending_retries() == 0
+    assert {(PATHS.ek(p, i), "gpu") for p in (3, 4) for i in range(3)} <= rig.view(e) <= e.view()
+
+
+@pytest.mark.parametrize("joined", ["fresh", "gap"])
+def test_a_replay_cut_by_its_batch_bound_asks_for_the_rest(rigs: list[Rig], joined: str) -> None:
+    """The endpoint holds more batches than ``replay_max_batches``: the rest is asked for, the stream converges."""
+    e = ModelEngine("pod-a", "m", 0, PATHS, buffer_steps=10_000)
+    rig = Rig(e, replay_max_batches=8)
+    rigs.append(rig)
+    if joined == "gap":
+        rig.deliver(e, e.publish(store(e, 0)))
+        assert rig.pool.flush(10) and rig.state(e).complete
+    frames = None
+    for n in range(50):
+        p = n % len(PATHS.paths)
+        frames = e.publish(store(e, p) if n % 3 else remove(e, [PATHS.ek((p + 5) % len(PATHS.paths), 1)]))
+    rig.deliver(e, frames)  # only the newest arrives: a replay of ~50 batches, 8 at a time
+    assert rig.pool.flush(30)
+    s = rig.pool.stats()
+    st_ = rig.state(e)
+    assert st_.last_seq == e.next_seq - 1 and st_.complete, st_
+    assert rig.view(e) == e.view()
+    assert s.replay_cuts >= 5 and s.gaps_unrecovered == 0 and s.clears == 0 and s.restarts == 0
+    assert s.replay_requests == s.replay_cuts + 1 + (joined == "gap")
+
+
+def test_a_replay_exactly_as_long_as_the_bound_is_not_cut(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_max_batches=5)
+    rigs.append(rig)
+    frames = [e.publish(store(e, p)) for p in range(5)]
+    rig.deliver(e, frames[-1])
+    assert rig.pool.flush(10)
+    s = rig.pool.stats()
+    assert s.replay_cuts == 0 and s.replay_requests == 1 and rig.state(e).complete
+    assert rig.view(e) == e.view()
 
 
 # ---------------------------------------------------------------- per-event decode

@@ -1,0 +1,227 @@
+"""Unit tests of the sequencer's replay retry and cut decisions (a pure state machine, no sockets).
+
+The pool-level regression tests with real ZMQ ROUTER endpoints are in
+tests/test_writepath_faults.py; these pin the decisions themselves.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from kvevents.sequencer import Apply, Batch, Complete, Confirm, Count, Replay, Sequencer
+
+
+def b(seq: int, ts: float | None = None) -> Batch:
+    """Batch ``seq`` of one engine process (timestamps grow with seq)."""
+    return Batch(seq, 100.0 + seq if ts is None else ts)
+
+
+def counts(actions: list) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in actions:
+        if type(a) is Count:
+            out[a.name] = out.get(a.name, 0) + a.n
+    return out
+
+
+def applied(actions: list) -> list[int]:
+    return [a.batch.seq for a in actions if type(a) is Apply]
+
+
+def started(n: int = 3, max_retries: int = 10) -> Sequencer:
+    """A complete stream holding seqs 0..n-1 (started from the engine's buffer)."""
+    s = Sequencer(True, max_retries)
+    assert s.live(b(0))[-1] == Replay(0)
+    for k in range(n):
+        s.replayed(b(k))
+    s.replay_end(True)
+    assert s.complete and s.last == n - 1
+    return s
+
+
+def fail_gap(s: Sequencer, seq: int) -> list:
+    """A live message with a gap whose replay (from our last batch) times out with nothing."""
+    out = s.live(b(seq))
+    assert out[-1] == Replay(s.last)
+    return out + s.replay_end(False)
+
+
+# ---------------------------------------------------------------- a replay that fails without applying
+
+
+def test_a_failed_gap_replay_is_held_for_a_retry_not_given_up() -> None:
+    s = started()
+    out = fail_gap(s, 5)
+    c = counts(out)
+    assert c["replay_failures"] == 1 and "gaps_unrecovered" not in c and c["deferred"] == 1
+    assert Complete(False, "replay (gap) failed") in out and applied(out) == []
+    assert s.retry_pending and s.retry_attempts == 1 and s.exact  # what we hold is still exact as of ``last``
+    # live messages past the gap wait in the engine's buffer: no replay asked, nothing applied
+    for seq in (6, 7):
+        out = s.live(b(seq))
+        assert counts(out) == {"deferred": 1} and not any(type(a) is Replay for a in out)
+    assert s.last == 2
+
+
+def test_the_retry_asks_from_our_last_batch_and_converges() -> None:
+    s = started()
+    fail_gap(s, 5)
+    out = s.retry()
+    assert counts(out) == {"replay_retries": 1, "replay_requests": 1} and out[-1] == Replay(2)
+    assert not s.retry_pending
+    s.replayed(b(2))  # our last batch, same process
+    got = []
+    for seq in range(3, 8):
+        got += applied(s.replayed(b(seq)))
+    out = s.replay_end(True)
+    assert got == [3, 4, 5, 6, 7] and s.complete and s.retry_attempts == 0
+    assert Complete(True, "replay (gap) ended") in out
+    assert applied(s.live(b(8))) == [8]  # the live stream goes on
+
+
+def test_a_message_continuing_our_sequence_applies_while_a_retry_waits() -> None:
+    """The gap was a reordering: the missing message arrives late and continues the sequence."""
+    s = started()
+    fail_gap(s, 4)
+    assert applied(s.live(b(3))) == [3] and s.retry_pending and not s.complete
+    out = s.retry()
+    assert out[-1] == Replay(3)
+
+
+def test_a_restart_during_the_outage_is_caught_by_the_retry() -> None:
+    s = started()
+    fail_gap(s, 5)
+    s.retry()
+    out = s.replayed(b(2, ts=502.0))  # a new process's batch 2: not the one we applied
+    assert counts(out).get("restarts") == 1
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0)
+
+
+def test_retries_are_bounded_then_the_stream_goes_on_without_asking() -> None:
+    s = started(max_retries=2)
+    fail_gap(s, 5)
+    for k in (1, 2):
+        assert s.retry()[-1] == Replay(2)
+        out = s.replay_end(False)
+        assert s.retry_pending == (k < 2)
+    c = counts(out)
+    assert c["replay_failures"] == 1 and c["gaps_unrecovered"] == 1 and not s.exact and not s.complete
+    assert s.retry() == []
+    # the next gap asks once more (the endpoint may be back); failing, it is not retried but held
+    # as a candidate, as without an endpoint, and the message after it continues it
+    assert s.live(b(9))[-1] == Replay(2)
+    out = s.replay_end(False)
+    assert not s.retry_pending and counts(out)["gaps_unrecovered"] == 1 and applied(out) == []
+    out = s.live(b(10))
+    assert applied(out) == [9, 10] and not s.complete
+    assert s.live(b(12))[-1] == Replay(10)
+    for seq in (10, 11, 12):
+        s.replayed(b(seq))
+    s.replay_end(True)  # the endpoint answers again: failures are retried again from now on
+    assert s.live(b(14))[-1] == Replay(12)
+    s.replay_end(False)
+    assert s.retry_pending
+
+
+def test_the_backoff_doubles_from_the_base_up_to_the_cap() -> None:
+    s = started(max_retries=10)
+    fail_gap(s, 5)
+    delays = [s.retry_delay(0.05, 1.0)]
+    for _ in range(7):
+        s.retry()
+        s.replay_end(False)
+        delays.append(s.retry_delay(0.05, 1.0))
+    assert delays == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+
+
+def test_a_failed_start_check_defers_every_message_until_its_retry() -> None:
+    s = Sequencer(True)
+    assert s.live(b(0))[-1] == Replay(0)
+    out = s.replay_end(False)
+    assert counts(out)["deferred"] == 1 and s.retry_pending and s.last is None
+    assert counts(s.live(b(1))) == {"deferred": 1}
+    out = s.retry()
+    assert out[-1] == Replay(0)
+    for seq in (0, 1, 2):
+        s.replayed(b(seq))
+    s.replay_end(True)
+    assert s.complete and s.last == 2
+
+
+def test_zero_retries_keeps_the_behaviour_of_giving_up_at_once() -> None:
+    s = started(max_retries=0)
+    out = fail_gap(s, 5)
+    assert counts(out)["gaps_unrecovered"] == 1 and not s.retry_pending and not s.complete
+
+
+# ---------------------------------------------------------------- a replay cut at its bound
+
+
+def test_a_cut_after_progress_asks_for_the_rest_and_marks_the_stream_incomplete() -> None:
+    s = started()
+    assert s.live(b(9))[-1] == Replay(2)
+    for seq in range(2, 6):
+        s.replayed(b(seq))
+    out = s.replay_end(False, cut=True)
+    c = counts(out)
+    assert c == {"replay_cuts": 1, "replay_requests": 1}
+    assert Complete(False, "replay cut off at its bound; asking for the rest") in out
+    assert out[-1] == Replay(5) and not s.complete
+    for seq in range(5, 10):
+        s.replayed(b(seq))
+    out = s.replay_end(True)
+    assert s.complete and s.last == 9
+    assert counts(out).get("duplicates") == 1  # the live message that started it, applied by the replay
+
+
+def test_a_cut_that_applied_nothing_is_a_failure_retried_later() -> None:
+    s = started()
+    assert s.live(b(9))[-1] == Replay(2)
+    s.replayed(b(2))  # only our own last batch before the cut
+    out = s.replay_end(False, cut=True)
+    c = counts(out)
+    assert c["replay_cuts"] == 1 and c["replay_failures"] == 1 and s.retry_pending
+    assert not any(type(a) is Replay for a in out)
+
+
+# ---------------------------------------------------------------- property: bounded asking
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    max_retries=st.integers(0, 5),
+    answers=st.lists(st.sampled_from(["fail", "ok", "live", "next", "wait"]), min_size=1, max_size=40),
+)
+def test_retries_in_a_row_never_exceed_the_bound(max_retries: int, answers: list[str]) -> None:
+    """Whatever the interleaving of live messages, failures and answers: at most ``max_retries``
+    retries between two answered replays; a retry is pending only while the stream is incomplete;
+    a complete stream holds the engine's newest batch (or a replay is bringing it)."""
+    s = started(max_retries=max_retries)
+    newest = s.last  # the engine's newest seq
+    retries = 0
+    outstanding = False
+    for ans in answers:
+        if outstanding:
+            if ans == "fail":
+                out = s.replay_end(False)
+            else:
+                for seq in range(s.last, newest + 1):  # type: ignore[arg-type]
+                    s.replayed(b(seq))
+                out = s.replay_end(True)
+                retries = 0
+        elif ans in ("live", "fail"):
+            newest += 2  # one lost on the way, the next arrives
+            out = s.live(b(newest))
+        elif ans == "next" and s.last == newest:
+            newest += 1
+            out = s.live(b(newest))
+        else:
+            out = s.retry()
+        retries += counts(out).get("replay_retries", 0)
+        outstanding = bool(out) and type(out[-1]) is Replay
+        assert retries <= max_retries
+        assert not (s.retry_pending and s.complete)
+        if s.complete and not outstanding:
+            assert s.last == newest
