@@ -148,7 +148,10 @@ class KVEventsConfig(_Base, frozen=True):
     bind_replay: bind mode: pod -> replay endpoint (DP rank 0; rank r at port + r).
     engine: payload format in bind mode (``vllm`` or ``sglang``).
     concurrency: pool shards; queue_size: per-shard bound in messages;
-    replay_timeout: seconds.
+    replay_timeout: seconds; replay_retries / replay_retry_max_delay: how
+    often in a row, and at most how far apart (seconds, from 0.05 s doubling),
+    a replay that failed without applying anything is asked again (see
+    :class:`kvevents.pool.EventPool`).
     """
 
     engines: list[EngineEndpoint] = msgspec.field(default_factory=list)
@@ -158,6 +161,8 @@ class KVEventsConfig(_Base, frozen=True):
     concurrency: int = 4
     queue_size: int = 10_000
     replay_timeout: float = 2.0
+    replay_retries: int = 10
+    replay_retry_max_delay: float = 5.0
 
     def __post_init__(self) -> None:
         for eng in [self.engine, *(e.engine for e in self.engines)]:
@@ -167,6 +172,10 @@ class KVEventsConfig(_Base, frozen=True):
             raise ValueError("concurrency and queue_size must be >= 1")
         if not 0 < self.replay_timeout < 3600:
             raise ValueError(f"replay_timeout must be in (0, 3600) seconds, got {self.replay_timeout}")
+        if self.replay_retries < 0:
+            raise ValueError(f"replay_retries must be >= 0, got {self.replay_retries}")
+        if not 0.05 <= self.replay_retry_max_delay < 3600:
+            raise ValueError(f"replay_retry_max_delay must be in [0.05, 3600) seconds, got {self.replay_retry_max_delay}")
         pods = [e.pod for e in self.engines]
         if len(set(pods)) != len(pods):
             raise ValueError("each engine entry needs its own pod id (use dp_size for DP ranks)")

@@ -129,7 +129,8 @@ class Indexer:
         )
         ev = cfg.kv_events_config
         self.pool = EventPool(
-            self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout
+            self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout,
+            replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
         )
         self.subscriber = Subscriber(
             self.pool,

@@ -80,6 +80,12 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_event_replay_failures": ("counter", (), "Replays or restart checks that timed out or failed."),
     "kvindex_event_replay_holes": (
         "counter", (), "Replays with a batch missing inside them (a reply lost on the way), asked again."),
+    "kvindex_event_replay_retries": (
+        "counter", (), "Replays asked again (with backoff) after one failed without applying anything."),
+    "kvindex_event_deferred": (
+        "counter", (), "Live messages left in the engine's buffer while their stream waited for a replay retry."),
+    "kvindex_event_replay_cuts": (
+        "counter", (), "Replays cut off at replay_max_batches (or their time limit); the rest asked for at once."),
     "kvindex_event_duplicates": ("counter", (), "Batches skipped as already applied."),
     "kvindex_event_stale": ("counter", (), "Live messages skipped because a replay had moved past them."),
     "kvindex_event_unconfirmed": ("counter", (), "Messages skipped because the engine did not confirm their seq."),
@@ -223,6 +229,9 @@ class KVIndexMetrics(Collector):
             ("kvindex_event_replayed_batches", ev.replayed_batches),
             ("kvindex_event_replay_failures", ev.replay_failures),
             ("kvindex_event_replay_holes", ev.replay_holes),
+            ("kvindex_event_replay_retries", ev.replay_retries),
+            ("kvindex_event_deferred", ev.deferred),
+            ("kvindex_event_replay_cuts", ev.replay_cuts),
             ("kvindex_event_duplicates", ev.duplicates),
             ("kvindex_event_stale", ev.stale),
             ("kvindex_event_unconfirmed", ev.unconfirmed),

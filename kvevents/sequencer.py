@@ -14,7 +14,8 @@ payload failed to decode), :meth:`~Sequencer.replayed` / :meth:`~Sequencer.repla
 :meth:`~Sequencer.disconnected` / :meth:`~Sequencer.reconnected`,
 :meth:`~Sequencer.index_failed` (the index could not take a write: its store,
 e.g. Redis, was unreachable), :meth:`~Sequencer.idle` (the shard's queue is
-empty; the index takes writes again).
+empty; the index takes writes again), :meth:`~Sequencer.retry` (the backoff of
+a failed replay has passed).
 
 Outputs (actions): :class:`Apply` (apply a batch to the index),
 :class:`Clear` (forget the stream's blocks), :class:`Replay` (ask the engine's
@@ -42,6 +43,20 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   its tail, end marker included, was lost: a replay that times out after
   applying batches), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
   at the same hole: it is taken as lost as above).
+- A replay that fails (times out, errors) without applying anything is asked
+  again (:meth:`~Sequencer.retry`, when the caller's backoff from
+  :meth:`~Sequencer.retry_delay` has passed) up to ``max_retries`` times in
+  a row.  Meanwhile the stream stays at its last batch, incomplete, and a
+  live message that would need the replay (past the gap, a stream's first,
+  the next seq after a drop) is not applied (``deferred``): the engine's
+  buffer still holds it and the retry brings it in order.  When the retries
+  run out the failure is handled as before (a candidate the next message must
+  continue; ``gaps_unrecovered``), and later failures are not retried until
+  the endpoint answers a replay or check again.
+- A replay the caller cut at its bound (``replay_end(cut=True)``) after it
+  applied something continues at once from the first missing seq, the
+  stream incomplete meanwhile (``replay_cuts``); one that applied nothing is
+  a failure as above.
 - Restart rule: a seq going backwards is never a restart by itself.  With a
   replay endpoint it is confirmed against the engine's buffer: the process
   we know still holds the batch at our last seq with the same timestamp; a
