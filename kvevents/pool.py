@@ -495,6 +495,8 @@ class _Shard:
                 self._replay(st, a.start)
             elif t is Confirm:
                 self._run(st, st.seq.confirmed(self._same_process(st, a.seq)))
+        if st.seq.retry_pending:
+            self._schedule_retry(st)
 
     def _apply(self, st: _Stream, batch: EventBatch) -> None:
         c = self.c
@@ -591,14 +593,16 @@ class _Shard:
         except (ValueError, zmq.ZMQError) as exc:
             self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
         self._run(st, st.seq.replay_end(ok, cut))
+
+    def _schedule_retry(self, st: _Stream) -> None:
+        """Set the time of the stream's pending replay retry (backoff from its failures in a row)."""
         sq = st.seq
-        if sq.retry_pending:
-            key = (st.pod, st.model, st.rank)
-            when = self.retry_at.get(key)
-            if when is None or when[1] != sq.retry_attempts:
-                pool = self.pool
-                delay = sq.retry_delay(pool.replay_retry_delay, pool.replay_retry_max_delay)
-                self.retry_at[key] = (time.monotonic() + delay, sq.retry_attempts)
+        key = (st.pod, st.model, st.rank)
+        when = self.retry_at.get(key)
+        if when is None or when[1] != sq.retry_attempts:
+            pool = self.pool
+            delay = sq.retry_delay(pool.replay_retry_delay, pool.replay_retry_max_delay)
+            self.retry_at[key] = (time.monotonic() + delay, sq.retry_attempts)
 
     def _retries(self) -> None:
         """Ask again the failed replays whose backoff has passed (while the index takes writes)."""

@@ -205,7 +205,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -225,6 +225,7 @@ class Sequencer:
         self.retry_attempts = 0  # replays in a row that failed without applying anything
         self._retry: str | None = None  # the op of the replay to ask again (see ``retry``)
         self._gave_up = False  # the retries ran out: failures are not retried until the endpoint answers
+        self._check_due = False  # a reconnect check failed: nothing applies before the retry checks the process
         self.last: int | None = None  # last applied seq
         self.last_ts: float | None = None
         self.exact = False  # applied state == engine state as of ``last``
@@ -269,6 +270,7 @@ class Sequencer:
 
     def _clear(self, out: list[Action], why: str) -> None:
         out.append(Clear(why))
+        self._check_due = False
         self.last = self.last_ts = None
         self._replayed.clear()
         self._replay_max = -1
@@ -356,7 +358,7 @@ class Sequencer:
                     return out  # the same message again
         if self._retry is not None and (
             self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
-                self._resync_due or self.last_ts is not None and b.ts < self.last_ts
+                self._check_due or self._resync_due or self.last_ts is not None and b.ts < self.last_ts
             )
         ):
             # a replay this message needs failed and is asked again later (``retry``): the engine's
@@ -563,6 +565,7 @@ class Sequencer:
             self.lost = False  # we now have everything the engine published up to its newest batch
             self.retry_attempts = 0
             self._gave_up = False
+            self._check_due = False
             if self._candidate is not None and self._r_count > 0:
                 self._candidate = None  # the engine's buffer is the authority now
                 out.append(Count("unconfirmed"))
@@ -579,6 +582,7 @@ class Sequencer:
                 else:
                     self.retry_attempts = 0
                     self._gave_up = True  # taken as is until the endpoint answers again
+                    self._check_due = False
             if not hold and op in ("gap", "fresh"):
                 out.append(Count("gaps_unrecovered"))
                 self.exact = False
@@ -648,6 +652,16 @@ class Sequencer:
                     self._candidate = ("back", pending)
             else:
                 self.lost = True
+                if op == "confirm-reconnect" and self.has_replay and self.last is not None and not self._gave_up:
+                    # the engine may have restarted: ask again later (a resync replay from our last
+                    # batch checks the process); until then no message applies, not even the next seq
+                    self.retry_attempts += 1
+                    if self.retry_attempts <= self.max_retries:
+                        self._retry = "resync"
+                        self._check_due = True
+                    else:
+                        self.retry_attempts = 0
+                        self._gave_up = True
                 self._set_complete(out, "reconnect check failed")
             return out
         if same:

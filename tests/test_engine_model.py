@@ -8,7 +8,8 @@ loss, duplicate delivery, reordering inside a shard queue, bursts beyond the
 pool's queue bound (and beyond the subscriber's receive high-water mark in
 the ZMQ variant), replay buffers too short to cover a gap, engine restarts
 with and without the router noticing a reconnect, malformed messages and
-events, hostile sequence numbers.
+events, hostile sequence numbers, and (``OutageEngineMachine``) replay
+endpoints that stop answering for a while.
 
 After the system settles (held messages delivered, a flush, one more message
 per engine, a flush), per publisher (pod, model, DP rank) and tier:
@@ -290,6 +291,66 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.pool.stats().errors_by_kind.get("internal", 0) == 0
 
 
+class OutageEngineMachine(EngineMachine):
+    """The same model plus replay endpoints that stop answering for a while, then answer again.
+
+    A paused endpoint takes requests and drops them (an engine too busy to
+    serve its replay socket, or replies lost beyond its high-water mark): the
+    pool's replays time out, and must be retried once it answers again, so the
+    same invariants hold after the system settles (every endpoint answering
+    again).  Outages here are short against the pool's retry budget
+    (``replay_retries`` x at most ``replay_retry_max_delay`` plus timeouts);
+    an outage longer than it leaves the stream incomplete by design.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool.stop()
+        self.pool = EventPool(
+            self.index, concurrency=2, queue_size=QUEUE, replay_timeout=1.0,
+            replay_retries=40, replay_retry_max_delay=0.2,
+        )
+        self.pool.start()
+
+    @initialize(buffers=st.lists(st.integers(2, 400), min_size=len(PUBLISHERS), max_size=len(PUBLISHERS)))
+    def start(self, buffers: list[int]) -> None:
+        """Longer buffers than the base model's too, so that many streams must end complete."""
+        self.setup_engines(buffers)
+
+    @rule(data=st.data())
+    def replay_down(self, data: st.DataObject) -> None:
+        e = data.draw(st.sampled_from(self.engines))
+        self.faults["replay_down"] += 1
+        self.server.pause(e)  # type: ignore[union-attr]
+
+    @rule(data=st.data())
+    def replay_up(self, data: st.DataObject) -> None:
+        """The endpoint answers again, after the pool has handled what arrived during the outage."""
+        assert self.pool.flush(60)
+        self.server.resume(data.draw(st.sampled_from(self.engines)))  # type: ignore[union-attr]
+
+    def await_start(self, e: ModelEngine) -> None:
+        """As in the base model; with its endpoint paused the start waits for the retry after it answers."""
+        if not self.server.paused(e):  # type: ignore[union-attr]
+            super().await_start(e)
+
+    def settle(self) -> None:
+        assert self.pool.flush(60)  # what arrived during an outage meets it
+        for e in self.engines:
+            self.server.resume(e)  # type: ignore[union-attr]
+        super().settle()
+        # the retries of replays that failed during an outage run on the pool's own clock
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.pool.flush(30)
+            if self.pool.pending_retries() == 0:
+                assert self.pool.flush(30)  # a retry asked just before has ended
+                if self.pool.pending_retries() == 0:
+                    break
+            assert time.monotonic() < deadline, "replay retries still pending after 60 s"
+            time.sleep(0.05)
+
+
 class ZmqEngineMachine(EngineMachine):
     """The same model over real PUB/SUB sockets through the Subscriber, with a small receive high-water mark.
 
@@ -391,6 +452,12 @@ def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
     machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
     n = _examples(index_factory, 250, 30)
     run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=40, **COMMON))
+
+
+def test_index_converges_through_replay_outages(index_factory: IndexFactory) -> None:
+    machine = type("Machine", (OutageEngineMachine,), {"index_factory": staticmethod(index_factory)})
+    n = _examples(index_factory, 40, 8)
+    run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=30, **COMMON))
 
 
 def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:

@@ -225,3 +225,19 @@ def test_retries_in_a_row_never_exceed_the_bound(max_retries: int, answers: list
         assert not (s.retry_pending and s.complete)
         if s.complete and not outstanding:
             assert s.last == newest
+
+
+def test_a_failed_reconnect_check_is_retried_and_nothing_applies_before_it() -> None:
+    """The engine may have restarted while we were away: not even the next seq applies unchecked."""
+    s = started()
+    s.disconnected()
+    out = s.reconnected()
+    assert out[-1] == Confirm(2)
+    out = s.confirmed(None)
+    assert s.retry_pending and not s.complete
+    assert counts(s.live(b(3, ts=900.0))) == {"deferred": 1} and s.last == 2  # a new process's seq 3?
+    out = s.retry()
+    assert out[-1] == Replay(2)
+    out = s.replayed(b(2, ts=899.0))  # not our batch 2: a new process
+    assert counts(out)["restarts"] == 1
+    assert s.replay_end(True)[-1] == Replay(0)
