@@ -338,6 +338,9 @@ class _Shard:
         self.forget_due: set[str] = set()  # removed pods whose clear the index could not take yet
         # streams whose failed replay is to be asked again: key -> (monotonic deadline, failures then)
         self.retry_at: dict[tuple[str, str | None, int], tuple[float, int]] = {}
+        # retries take at most about half of the shard's time: after one that took t seconds
+        # (a timeout, with a dead endpoint) the next waits t, so queued messages keep flowing
+        self.retry_not_before = 0.0
         # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
         self.index_gen = getattr(pool.index, "generation", 0)
         self.replay = ReplayClient(
@@ -605,19 +608,26 @@ class _Shard:
             self.retry_at[key] = (time.monotonic() + delay, sq.retry_attempts)
 
     def _retries(self) -> None:
-        """Ask again the failed replays whose backoff has passed (while the index takes writes)."""
+        """Ask again the most overdue failed replay whose backoff has passed (while the index takes writes).
+
+        One per call, and not before ``retry_not_before``: a retry that ran
+        into a timeout delays the next by as long, so retries take at most
+        about half of the shard's time and its queue keeps moving.
+        """
         now = time.monotonic()
-        due = [key for key, (t, _n) in self.retry_at.items() if t <= now]
-        if not due:
+        if now < self.retry_not_before:
+            return
+        key, (t, _n) = min(self.retry_at.items(), key=lambda kv: kv[1][0])
+        if t > now:
             return
         writable = getattr(self.pool.index, "writable", None)
         if writable is not None and not writable():
             return
-        for key in due:
-            self.retry_at.pop(key, None)
-            st = self.streams.get(key)
-            if st is not None:
-                self._run(st, st.seq.retry())
+        del self.retry_at[key]
+        st = self.streams.get(key)
+        if st is not None:
+            self._run(st, st.seq.retry())
+            self.retry_not_before = time.monotonic() + (time.monotonic() - now)
 
     def _same_process(self, st: _Stream, seq: int) -> bool | None:
         """Is the publisher still the process whose batch ``seq`` we applied?
