@@ -262,107 +262,120 @@ void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t
 
 // ---------------------------------------------------------------- the index
 
+// One (pod, DP rank) holding a block: 16 bytes.  The tier mask and the DP rank are interned
+// (IndexCore::mask_vals_, rank_vals_: few distinct values, append-only) and kept as 16-bit ids.
+constexpr uint16_t POD_EMPTY = 0xFFFD;  // pod field of an empty inline holder slot
+constexpr uint16_t POD_SPILL = 0xFFFF;  // pod field marking holders spilled to the heap
+constexpr uint16_t MK_ID = 0x3FFF;      // mask id bits of Holder::mk (the top two are flags)
 struct Holder {
-    u64 ek;     // the engine key this (pod, rank) stored the block under
-    u64 mask;   // tier bits
-    uint16_t pod;
+    u64 ek;          // the engine key this (pod, rank) stored the block under
+    uint16_t pod;    // pod slot
     uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
-    int32_t rank;
+    uint16_t rid;    // interned DP rank
+    uint16_t mk;     // interned tier mask (low 14 bits) and flags
 };
+static_assert(sizeof(Holder) == 16, "Holder is 16 bytes");
 
-// The holders of one block: the first one inline (most blocks have one holder), more on the
-// heap in an array sized to the holders.
+// The holders of one block in 16 bytes: one holder inline (most blocks have one), or a pointer
+// to a heap array sized to the holders (two or more), marked by pod == POD_SPILL.
 class HolderVec {
   public:
-    HolderVec() {}
+    HolderVec() { set_empty(); }
     HolderVec(const HolderVec&) = delete;
     HolderVec& operator=(const HolderVec&) = delete;
-    HolderVec(HolderVec&& o) noexcept { take(o); }
+    HolderVec(HolderVec&& o) noexcept {
+        u_ = o.u_;
+        o.set_empty();
+    }
     HolderVec& operator=(HolderVec&& o) noexcept {
         if (this != &o) {
             release();
-            take(o);
+            u_ = o.u_;
+            o.set_empty();
         }
         return *this;
     }
     ~HolderVec() { release(); }
 
-    size_t size() const { return n_; }
-    bool empty() const { return n_ == 0; }
-    size_t capacity() const { return cap_; }
+    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pod == POD_EMPTY ? 0 : 1); }
+    bool empty() const { return size() == 0; }
+    size_t heap_bytes() const { return spilled() ? u_.sp.n * sizeof(Holder) : 0; }
     Holder* begin() { return data(); }
-    Holder* end() { return data() + n_; }
+    Holder* end() { return data() + size(); }
     const Holder* begin() const { return data(); }
-    const Holder* end() const { return data() + n_; }
+    const Holder* end() const { return data() + size(); }
     Holder& operator[](size_t i) { return data()[i]; }
     const Holder& operator[](size_t i) const { return data()[i]; }
 
     void push_back(const Holder& h) {
-        if (n_ == cap_) {
-            u32 ncap = cap_ + 1;
-            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * ncap));
-            std::memcpy(m, data(), sizeof(Holder) * n_);
-            if (cap_ > 1) ::operator delete(u_.many);
-            u_.many = m;
-            cap_ = ncap;
+        size_t n = size();
+        if (n == 0) {
+            u_.one = h;
+            return;
         }
-        data()[n_++] = h;
+        Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n + 1)));
+        std::memcpy(m, data(), sizeof(Holder) * n);
+        m[n] = h;
+        release();
+        u_.sp.many = m;
+        u_.sp.tag = POD_SPILL;
+        u_.sp.n = (u32)(n + 1);
     }
 
-    // Remove holder i (order not kept beyond the first), shrinking to fit.
+    // Remove holder i (the others keep their order), shrinking to fit.
     void erase(size_t i) {
-        Holder* d = data();
-        for (size_t k = i + 1; k < n_; ++k) d[k - 1] = d[k];
-        --n_;
-        if (cap_ > 1 && n_ <= 1) {
-            Holder keep = n_ ? d[0] : Holder{};
-            ::operator delete(u_.many);
-            u_.one = keep;
-            cap_ = 1;
-        } else if (cap_ > 1 && n_ + 1 < cap_) {
-            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * n_));
-            std::memcpy(m, d, sizeof(Holder) * n_);
-            ::operator delete(u_.many);
-            u_.many = m;
-            cap_ = (u32)n_;
+        size_t n = size();
+        if (n == 1) {
+            set_empty();
+            return;
         }
+        Holder* d = u_.sp.many;
+        if (n == 2) {
+            Holder keep = d[1 - i];
+            ::operator delete(d);
+            u_.one = keep;
+            return;
+        }
+        Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n - 1)));
+        std::memcpy(m, d, sizeof(Holder) * i);
+        std::memcpy(m + i, d + i + 1, sizeof(Holder) * (n - 1 - i));
+        ::operator delete(d);
+        u_.sp.many = m;
+        u_.sp.n = (u32)(n - 1);
     }
 
     void clear() {
         release();
-        n_ = 0;
-        cap_ = 1;
+        set_empty();
     }
 
   private:
-    Holder* data() { return cap_ == 1 ? &u_.one : u_.many; }
-    const Holder* data() const { return cap_ == 1 ? &u_.one : u_.many; }
+    bool spilled() const { return u_.sp.tag == POD_SPILL; }
+    Holder* data() { return spilled() ? u_.sp.many : &u_.one; }
+    const Holder* data() const { return spilled() ? u_.sp.many : &u_.one; }
+    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0, 0, 0}; }
     void release() {
-        if (cap_ > 1) ::operator delete(u_.many);
+        if (spilled()) ::operator delete(u_.sp.many);
     }
-    void take(HolderVec& o) {
-        n_ = o.n_;
-        cap_ = o.cap_;
-        if (cap_ > 1)
-            u_.many = o.u_.many;
-        else
-            u_.one = o.u_.one;
-        o.n_ = 0;
-        o.cap_ = 1;
-    }
-    u32 n_ = 0, cap_ = 1;
     union U {
         Holder one;
-        Holder* many;
+        struct {
+            Holder* many;
+            uint16_t tag;  // overlays Holder::pod
+            uint16_t pad;
+            u32 n;
+        } sp;
         U() : one() {}
     } u_;
 };
+static_assert(sizeof(HolderVec) == 16, "HolderVec is 16 bytes");
 
-struct Block {
+struct Block {  // 32 bytes
     u64 rk = 0;
     u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
     HolderVec hs;
 };
+static_assert(sizeof(Block) == 32, "Block is 32 bytes");
 
 #pragma pack(push, 4)
 struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
@@ -860,7 +873,7 @@ class IndexCore {
                     if (!bi) continue;
                     u64 m = 0;
                     for (const Holder& h : blocks_[*bi].hs)
-                        if (h.pod == it->second) m |= h.mask;
+                        if (h.pod == it->second) m |= hmask(h);
                     rows[c][i] = m;
                 }
             }
@@ -880,7 +893,7 @@ class IndexCore {
         for (size_t i = 0; i < keys.n; ++i) {
             const u32* bi = rk_map_.find(keys.data[i]);
             if (!bi) continue;
-            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], h.mask, h.rank);
+            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], hmask(h), hrank(h));
         }
         return out;
     }
@@ -913,7 +926,7 @@ class IndexCore {
             const u32* bi = rk_map_.find(keys.data[0]);
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && h.rank == only) return only;
+                    if (h.pod == ps && hrank(h) == only) return only;
             return std::nullopt;
         }
         std::vector<int32_t> alive, next;
@@ -924,8 +937,8 @@ class IndexCore {
             next.clear();
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), h.rank) != alive.end()))
-                        next.push_back(h.rank);
+                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
+                        next.push_back(hrank(h));
             first = false;
             alive.swap(next);
             if (alive.empty()) break;
@@ -1072,8 +1085,8 @@ class IndexCore {
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             u64 uni = 0;
             for (const Holder& h : blocks_[i].hs) {
-                uni |= h.mask;
-                for (u64 m = h.mask; m; m &= m - 1) ++out[__builtin_ctzll(m)].second;
+                uni |= hmask(h);
+                for (u64 m = hmask(h); m; m &= m - 1) ++out[__builtin_ctzll(m)].second;
             }
             for (u64 m = uni; m; m &= m - 1) ++out[__builtin_ctzll(m)].first;
         }
@@ -1089,7 +1102,8 @@ class IndexCore {
         size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes();
         for (auto& e : engines_) b += e.second.bytes();
         for (const Block& blk : blocks_)
-            if (blk.hs.capacity() > 1) b += blk.hs.capacity() * sizeof(Holder);
+            b += blk.hs.heap_bytes();
+        b += mask_vals_.capacity() * sizeof(u64) + rank_vals_.capacity() * sizeof(int32_t);
         for (auto& kv : streams_) b += kv.second.bytes() + 32;
         return b;
     }
@@ -1207,7 +1221,7 @@ class IndexCore {
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
                 int c = of_slot[h.pod];
-                if (c >= 0) cur[(size_t)c] |= h.mask;
+                if (c >= 0) cur[(size_t)c] |= hmask(h);
             }
             for (size_t k = 0; k < live.size();) {
                 size_t c = live[k];
@@ -1246,7 +1260,7 @@ class IndexCore {
             pod_names_[s] = pod;
             pod_blocks_[s] = 0;
         } else {
-            if (pod_names_.size() >= 0xFFFF) throw std::length_error("more than 65535 pods hold blocks");
+            if (pod_names_.size() >= POD_EMPTY) throw std::length_error("more than 65533 pods hold blocks");
             s = (uint16_t)pod_names_.size();
             pod_names_.push_back(pod);
             pod_blocks_.push_back(0);
@@ -1293,9 +1307,11 @@ class IndexCore {
         return m ? m->find(ek) : nullptr;
     }
 
-    static size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
+    size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
+        uint16_t rid = rank_find(rank);
+        if (rid == NO_RID) return NIL;
         for (size_t i = 0; i < b.hs.size(); ++i)
-            if (b.hs[i].pod == ps && b.hs[i].rank == rank) return i;
+            if (b.hs[i].pod == ps && b.hs[i].rid == rid) return i;
         return NIL;
     }
 
@@ -1426,10 +1442,10 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            b.hs.push_back(Holder{ek, bit, ps, mid, rank});
+            b.hs.push_back(Holder{ek, ps, mid, rank_id(rank), mask_id(bit)});
         } else {
             Holder& hd = b.hs[h];
-            hd.mask |= bit;
+            set_hmask(hd, hmask(hd) | bit);
             if (hd.ek != ek) {
                 const u64* cur = st.find(hd.ek);
                 if (cur && *cur == rk) {
@@ -1449,9 +1465,9 @@ class IndexCore {
         u32 bi = *bip;
         Block& b = blocks_[bi];
         size_t h = find_holder(b, ps, rank);
-        if (h == NIL || !(b.hs[h].mask & bit)) return false;
-        b.hs[h].mask &= ~bit;
-        if (b.hs[h].mask == 0) {
+        if (h == NIL || !(hmask(b.hs[h]) & bit)) return false;
+        set_hmask(b.hs[h], hmask(b.hs[h]) & ~bit);
+        if (hmask(b.hs[h]) == 0) {
             uint16_t hm = b.hs[h].model;
             U64Map<u64>* st = stream(stream_id(ps, hm, rank));
             if (st) {
@@ -1476,7 +1492,7 @@ class IndexCore {
                 seen.push_back(h.pod);
                 --pod_blocks_[h.pod];
             }
-            if (U64Map<u64>* st = stream(stream_id(h.pod, h.model, h.rank))) {
+            if (U64Map<u64>* st = stream(stream_id(h.pod, h.model, hrank(h)))) {
                 const u64* cur = st->find(h.ek);
                 if (cur && *cur == rk) {
                     st->erase(h.ek);
@@ -1498,6 +1514,56 @@ class IndexCore {
         pend.swap(pending_release_);
         for (uint16_t p : pend)
             if (!pod_names_[p].empty()) maybe_release(p);
+    }
+
+    // Interned tier masks and DP ranks of the holders (append-only; id -> value).
+    static constexpr uint16_t NO_RID = 0xFFFF;
+    std::vector<u64> mask_vals_{0};
+    std::unordered_map<u64, uint16_t> mask_ids_{{0, 0}};
+    uint16_t bit_ids_[64] = {};  // mask id of each one-bit mask (0: not interned yet)
+    std::vector<int32_t> rank_vals_;
+    std::unordered_map<int32_t, uint16_t> rank_ids_;
+    int32_t last_rank_ = 0;
+    uint16_t last_rid_ = NO_RID;
+
+    u64 hmask(const Holder& h) const { return mask_vals_[h.mk & MK_ID]; }
+    int32_t hrank(const Holder& h) const { return rank_vals_[h.rid]; }
+    void set_hmask(Holder& h, u64 m) { h.mk = (uint16_t)((h.mk & ~MK_ID) | mask_id(m)); }
+
+    uint16_t mask_id(u64 m) {
+        bool one = m && !(m & (m - 1));
+        if (one && bit_ids_[__builtin_ctzll(m)]) return bit_ids_[__builtin_ctzll(m)];
+        auto it = mask_ids_.find(m);
+        uint16_t id;
+        if (it != mask_ids_.end()) {
+            id = it->second;
+        } else {
+            if (mask_vals_.size() > MK_ID) throw std::length_error("more than 16383 distinct tier masks");
+            id = (uint16_t)mask_vals_.size();
+            mask_vals_.push_back(m);
+            mask_ids_.emplace(m, id);
+        }
+        if (one) bit_ids_[__builtin_ctzll(m)] = id;
+        return id;
+    }
+
+    uint16_t rank_find(int32_t r) {
+        if (r == last_rank_ && last_rid_ != NO_RID) return last_rid_;
+        auto it = rank_ids_.find(r);
+        if (it == rank_ids_.end()) return NO_RID;
+        last_rank_ = r;
+        last_rid_ = it->second;
+        return it->second;
+    }
+
+    uint16_t rank_id(int32_t r) {
+        uint16_t id = rank_find(r);
+        if (id != NO_RID) return id;
+        if (rank_vals_.size() >= NO_RID) throw std::length_error("more than 65535 distinct DP ranks");
+        id = (uint16_t)rank_vals_.size();
+        rank_vals_.push_back(r);
+        rank_ids_.emplace(r, id);
+        return id;
     }
 
     std::shared_mutex mu_;
