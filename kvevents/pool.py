@@ -508,13 +508,10 @@ class _Shard:
         done = len(batch.events) - r.left
         st.events += done
         st.clears += r.clears
-        stored, removed = st.stored, st.removed
-        for ev in batch.events[:done] if r.left else batch.events:
-            t = type(ev)
-            if t is BlockStored:
-                stored[ev.tier] = stored.get(ev.tier, 0) + len(ev.block_hashes)
-            elif t is BlockRemoved:
-                removed[ev.tier] = removed.get(ev.tier, 0) + len(ev.block_hashes)
+        # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)
+        for counts, into in ((r.stored_by_tier, st.stored), (r.removed_by_tier, st.removed)):
+            for tier, k in counts.items():
+                into[tier] = into.get(tier, 0) + k
         for msg in r.errors:
             self._error("apply", f"pod {pod}: event not applied: {msg}")
         if r.unavailable is not None:

@@ -54,6 +54,15 @@ __all__ = ["NativeKVBlockIndex"]
 _GPU_BIT = tier_bit(GPU)
 
 
+def _add_by_bit(by_tier: dict[str, int], counts: list[int]) -> None:
+    """Add per-tier-bit block counts (index = bit position, :data:`TIERS` order) to ``by_tier``."""
+    names = TIERS._names  # append-only: bit b's name is names[b]
+    for b, k in enumerate(counts):
+        if k:
+            name = names[b]
+            by_tier[name] = by_tier.get(name, 0) + k
+
+
 def _rank(dp_rank: int) -> int:
     r = int(dp_rank)
     if not -(2**31) <= r < 2**31:
@@ -195,9 +204,15 @@ class NativeKVBlockIndex(SideTables):
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
-                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n) = self._core.apply_events(
-                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
+                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = (
+                    self._core.apply_events(
+                        pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
+                    )
                 )
+                if st_bits:
+                    _add_by_bit(r.stored_by_tier, st_bits)
+                if rm_bits:
+                    _add_by_bit(r.removed_by_tier, rm_bits)
                 if st_ev and model not in self._models:
                     self._models.add(model)
                 r.stored_blocks += st_blocks

@@ -716,8 +716,11 @@ class IndexCore {
     // in xxh3_chain mode, whose parent engine key is unknown: the caller applies that one in Python
     // and calls again from the next.  Returns (next index, stored events, stored blocks, removed
     // events, removed blocks (sum of lengths), removals that hit, removals that missed, clears,
-    // clears that removed something).
-    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t> apply_events(
+    // clears that removed something, stored blocks per tier bit, removed blocks per tier bit); the
+    // per-bit lists end at the highest bit counted.
+    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, std::vector<u64>,
+               std::vector<u64>>
+    apply_events(
         const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
         nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
         nb::handle K_o, u64 A) {
@@ -809,6 +812,7 @@ class IndexCore {
         }
 
         size_t st_ev = 0, st_blocks = 0, rm_ev = 0, rm_blocks = 0, hits = 0, misses = 0, clears = 0, clears_n = 0;
+        std::vector<u64> st_bits(64, 0), rm_bits(64, 0);
         size_t applied = 0;
         {
             nb::gil_scoped_release nogil;
@@ -842,6 +846,7 @@ class IndexCore {
                     }
                     ++rm_ev;
                     rm_blocks += x.eks.n;
+                    if (x.bit) rm_bits[__builtin_ctzll(x.bit)] += x.eks.n;
                     continue;
                 }
                 size_t nb_ = x.eks.n;
@@ -869,9 +874,13 @@ class IndexCore {
                 finish_write(ps);
                 ++st_ev;
                 st_blocks += nb_;
+                if (x.bit) st_bits[__builtin_ctzll(x.bit)] += nb_;
             }
         }
-        return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n};
+        for (std::vector<u64>* v : {&st_bits, &rm_bits})
+            while (!v->empty() && v->back() == 0) v->pop_back();
+        return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n,
+                std::move(st_bits), std::move(rm_bits)};
     }
 
     // Makes `rk` the most recently used key (if held).
