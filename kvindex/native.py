@@ -10,10 +10,12 @@ Where the work happens:
 
 - In C++ (``kvindex._native.IndexCore``, native/native.cpp), with the GIL
   released: level 1 (request key -> holders: pod slot, DP rank, tier mask,
-  engine key) in an open-addressing table over uint64 with an intrusive LRU
-  list by block index; level 2 (engine key -> request key, reference counted);
-  the per-(pod, DP rank) engine key -> request key maps that make a clear cost
-  O(the pod's keys); pod slots, reused when a pod holds nothing; the chaining of
+  engine key) as an open-addressing table of 4-byte block indices over
+  32-byte block records with an intrusive LRU list by block index; level 2
+  (engine key -> request key, reference counted) and the per-(pod, DP rank,
+  model) engine key -> request key maps that make a clear cost O(the pod's
+  keys), both as tables of block indices keyed through the holders (see the
+  layout notes at the top of native/native.cpp); pod slots, reused when a pod holds nothing; the chaining of
   an event's request keys (``xxh3_chain``, bit-identical to
   :mod:`kvindex.keys`) and the storing of all its blocks, in one call; whole
   runs of a decoded batch's events (:meth:`apply_events`, the pool's call), in
