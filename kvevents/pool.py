@@ -509,8 +509,13 @@ class _Shard:
         st.events += done
         st.clears += r.clears
         # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)
-        for counts, into in ((r.stored_by_tier, st.stored), (r.removed_by_tier, st.removed)):
-            for tier, k in counts.items():
+        if r.stored_by_tier:
+            into = st.stored
+            for tier, k in r.stored_by_tier.items():
+                into[tier] = into.get(tier, 0) + k
+        if r.removed_by_tier:
+            into = st.removed
+            for tier, k in r.removed_by_tier.items():
                 into[tier] = into.get(tier, 0) + k
         for msg in r.errors:
             self._error("apply", f"pod {pod}: event not applied: {msg}")
