@@ -32,15 +32,14 @@ Cost model (seconds; tokens; KV of ``kv_bytes_per_token`` bytes a token):
   0.32 NixlConnector counts D's local hits first; D keeps the previous turn).
 
 Calibration: c0 and alpha are fitted exactly on the seed's off curve (P
-without prefix cache, no bidirectional transfer) for each model.  The turn
-structure is not published; conversations here add a fixed share ``f`` of
-each turn's context as new tokens (the previous prompt and D's answer are the
-rest).  ``f`` is the one number fitted on on-curves: by default the least
-worst relative error over the on points of both published models
-(Qwen3-32B, and GLM-5-FP8: off 500 -> 2,334 ms, on 358 -> 702 ms from 2k to
-20k), 0.233 (:data:`FITTED_NEW_FRACTION`); fitted on GLM-5-FP8 alone it is
-0.209, and the Qwen3-32B on curve is then a prediction from the other model
-(+9.9 % at 2k, -15.6 % at 24k).
+without prefix cache, no bidirectional transfer) for each model.  Turns: the
+seed's published conversations (:data:`SEED_TURNS`: 500 shared + the
+point's own prefix tokens, 5 user turns of 150 tokens, answers of 300; a
+point's TTFT is the mean over the turns), with nothing fitted on an on curve;
+or, as before, a fixed share ``f`` of each turn's context as new tokens,
+fitted on on-curves (:func:`fit_new_fraction`; :func:`cross_fit` fits it on
+one model and predicts the other; :data:`FITTED_NEW_FRACTION` is the fit on
+both, used by the quick mode and the tests).
 
 Policies: ``off`` (no bidirectional transfer: D answers without params),
 ``on`` (the seed: one P without prefix cache, D's retained KV pulled when
@@ -568,7 +567,8 @@ def plot(res: PDResult, path) -> None:
                color="C0", label="seed off")
     ax.scatter(list(res.published_on), [v * 1e3 for v in res.published_on.values()], marker="x", s=80,
                color="C1", label="seed on")
-    ax.set_xlabel("context tokens of the turn")
+    ax.set_xlabel("conversation prefix tokens (mean over its turns)" if res.structure is not None
+                  else "context tokens of the turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Seed 000: Qwen3-32B, 1 D")
     ax.grid(True, alpha=0.3)
