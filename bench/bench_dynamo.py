@@ -182,8 +182,25 @@ def vllm_payloads(n_events: int, blocks: int, pods: int) -> tuple[list[tuple[str
 def bench_ingest(n_events: int, blocks: int, pods: int, runs: int) -> dict[str, float]:
     ours, theirs = vllm_payloads(n_events, blocks, pods)
     n_blocks = n_events * blocks
-    res: dict[str, list[float]] = {"ours": [], "dynamo": []}
+    res: dict[str, list[float]] = {"ours": [], "dynamo": [], "pool": []}
     for _ in range(runs):
+        # through an EventPool (one shard): sequencing, decode, apply and the per-stream counters
+        ix = make_indexer().index
+        pool = EventPool(ix, concurrency=1, queue_size=len(ours) + 10)
+        pool.start()
+        seqs: dict[str, int] = {}
+        msgs = []
+        for pod, payload in ours:
+            s = seqs.get(pod, 0)
+            seqs[pod] = s + 1
+            msgs.append(RawMessage(Source(), f"kv@{pod}@m".encode(), s.to_bytes(8, "big"), payload))
+        t0 = time.process_time()
+        for m in msgs:
+            pool.submit(m)
+        while pool.stats().blocks_stored < n_blocks:
+            time.sleep(0.001)
+        res["pool"].append(n_blocks / (time.process_time() - t0))
+        pool.stop()
         ix = make_indexer().index
         t0 = time.process_time()
         for pod, payload in ours:
@@ -197,6 +214,7 @@ def bench_ingest(n_events: int, blocks: int, pods: int, runs: int) -> dict[str, 
         tree.find_matches([1])  # waits for the events to be applied
         res["dynamo"].append(n_blocks / (time.process_time() - t0))
     return {"ours_blocks_per_cpu_s": max(res["ours"]), "dynamo_blocks_per_cpu_s": max(res["dynamo"]),
+            "ours_pool_blocks_per_cpu_s": max(res["pool"]),
             "ours_median": statistics.median(res["ours"]), "dynamo_median": statistics.median(res["dynamo"])}
 
 
@@ -321,12 +339,41 @@ def plot(by_len: dict[int, dict], by_size: dict[int, dict], path_len: Path, path
         plt.close(fig)
 
 
+def print_ingest(ingest: dict) -> None:
+    print(f"ingest, 20,000 BlockStored events of 8 blocks, one core, blocks per CPU second (best of 3): "
+          f"ours (msgpack decode + apply) {ingest['ours_blocks_per_cpu_s']:,.0f}, "
+          f"Dynamo (apply_event JSON) {ingest['dynamo_blocks_per_cpu_s']:,.0f}, "
+          f"ratio {ingest['ours_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x; "
+          f"ours through an EventPool shard {ingest['ours_pool_blocks_per_cpu_s']:,.0f} "
+          f"({ingest['ours_pool_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x)")
+
+
+def print_memory(mem: dict, entries: int) -> None:
+    parts = [f"{label} {mem[k]:.1f} B" for k, label in (("native", "compiled"), ("dynamo", "Dynamo"),
+                                                       ("python", "Python reference")) if k in mem]
+    ratio = f"; compiled / Dynamo {mem['native'] / mem['dynamo']:.2f}" if "native" in mem and "dynamo" in mem else ""
+    print(f"memory per (block, pod), {entries:,} entries, 8 pods, RSS delta: {', '.join(parts)}{ratio}; floor 8 B")
+
+
+def run_section(args: argparse.Namespace) -> int:
+    """One section alone (``--only``): its result line, no JSON file, no plots."""
+    if args.only == "memory":
+        kinds = [k for k in args.memory_kinds.split(",") if k]
+        print_memory(bench_memory(args.memory_entries, 8, kinds), args.memory_entries)
+    else:
+        print_ingest(bench_ingest(2_000 if args.quick else 20_000, 8, 8, 3))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size for the read path")
     ap.add_argument("--memory-entries", type=int, default=2_000_000)
+    ap.add_argument("--only", choices=["memory", "ingest"], help="run one section and print its line")
+    ap.add_argument("--memory-kinds", default="native,dynamo,python",
+                    help="comma-separated backends of the memory section (native, dynamo, python)")
     args = ap.parse_args(argv)
     if RadixTree is None:
         print("ai-dynamo-runtime is not installed: pip install --no-deps ai-dynamo-runtime==1.6.1")
@@ -335,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         args.reps, args.entries, args.memory_entries = 20, 50_000, 100_000
     OUT.mkdir(parents=True, exist_ok=True)
     result: dict = {"date": time.strftime("%Y-%m-%d"), "block_size": BS}
+    if args.only:
+        return run_section(args)
 
     lengths = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
     by_len: dict[int, dict] = {}
@@ -385,16 +434,11 @@ def main(argv: list[str] | None = None) -> int:
             row(f"  prefix_match only", r, "ours_prefix_match")
     for size, r in by_size.items():
         row(f"score() 8192 tok, {size:,} entries", r)
-    print(f"ingest, 20,000 BlockStored events of 8 blocks, one core, blocks per CPU second (best of 3): "
-          f"ours (msgpack decode + apply) {ingest['ours_blocks_per_cpu_s']:,.0f}, "
-          f"Dynamo (apply_event JSON) {ingest['dynamo_blocks_per_cpu_s']:,.0f}, "
-          f"ratio {ingest['ours_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x")
+    print_ingest(ingest)
     print(f"score() p99 while the pool ingests: {under['busy_p99_us']:.0f} us vs idle {under['idle_p99_us']:.0f} us "
           f"({under['busy_p99_us'] / under['idle_p99_us']:.2f}x; {under['busy_samples']} samples, "
           f"pool {under['pool_blocks_per_s_meanwhile']:,.0f} blocks/s meanwhile)")
-    print(f"memory per (block, pod), {args.memory_entries:,} entries, 8 pods, RSS delta: "
-          f"compiled {mem['native']:.1f} B, Dynamo {mem['dynamo']:.1f} B, Python reference {mem['python']:.1f} B; "
-          f"compiled / Dynamo {mem['native'] / mem['dynamo']:.2f}; floor 8 B")
+    print_memory(mem, args.memory_entries)
     (OUT / "dynamo.json").write_text(json.dumps(result, indent=1))
     try:
         plot(by_len, by_size, OUT / "dynamo_by_length.png", OUT / "dynamo_by_size.png")

@@ -157,6 +157,10 @@ class Indexer:
         self._in_flight: dict[str, int] = {}
         self._prefill: dict[str, float] = {}  # pod -> router-side prompt tokens still to prefill
         self._tracks_prefill = False
+        # pod -> the snapshot loads() hands out (engine load + in-flight + prefill), kept current on
+        # every change of one pod, so that a score reads it without building one per pod
+        self._merged: dict[str, LoadSnapshot] = {}
+        self._empty_prefix: dict[str, PrefixScore] = {}  # pod -> its no-match score (immutable)
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
         self.metrics = KVIndexMetrics(self)
@@ -190,6 +194,7 @@ class Indexer:
         with self._lock:
             self._loads.pop(pod, None)
             self._in_flight.pop(pod, None)
+            self._merged.pop(pod, None)
 
     # -- load signals
 
@@ -202,6 +207,7 @@ class Indexer:
             raise TypeError("update_load(pod: str, load: LoadSnapshot)")
         with self._lock:
             self._loads[pod] = load
+            self._merge(pod)
 
     def request_started(self, pod: str, prefill_tokens: int = 0) -> None:
         """Count one more request the router has in flight on ``pod``.
@@ -216,13 +222,19 @@ class Indexer:
         with self._lock:
             self._in_flight[pod] = self._in_flight.get(pod, 0) + 1
             if prefill_tokens > 0:
-                self._tracks_prefill = True
                 self._prefill[pod] = self._prefill.get(pod, 0.0) + prefill_tokens
+                if not self._tracks_prefill:
+                    self._tracks_prefill = True
+                    for p in self._merged:
+                        self._merge(p)
+            self._merge(pod)
 
     def request_prefilled(self, pod: str, prefill_tokens: int) -> None:
         """The request's first token arrived: its ``prefill_tokens`` are no longer queued on ``pod``."""
         with self._lock:
             self._prefill[pod] = max(0.0, self._prefill.get(pod, 0.0) - prefill_tokens)
+            if pod in self._merged:
+                self._merge(pod)
 
     def request_finished(self, pod: str, prefill_tokens: int = 0) -> None:
         """Count one in-flight request on ``pod`` as done (never below 0); ``prefill_tokens``
@@ -231,20 +243,20 @@ class Indexer:
             self._in_flight[pod] = max(0, self._in_flight.get(pod, 0) - 1)
             if prefill_tokens > 0:
                 self._prefill[pod] = max(0.0, self._prefill.get(pod, 0.0) - prefill_tokens)
+            self._merge(pod)
+
+    def _merge(self, pod: str) -> None:
+        """Rebuild ``pod``'s entry of the snapshot table :meth:`loads` copies (caller holds the lock)."""
+        self._merged[pod] = msgspec.structs.replace(
+            self._loads.get(pod) or LoadSnapshot(),
+            in_flight=self._in_flight.get(pod, 0),
+            prefill_tokens=self._prefill.get(pod, 0.0) if self._tracks_prefill else None,
+        )
 
     def loads(self) -> dict[str, LoadSnapshot]:
         """Current load per pod: last engine snapshot with the router's in-flight count."""
         with self._lock:
-            pods = set(self._loads) | set(self._in_flight)
-            track = self._tracks_prefill
-            return {
-                p: msgspec.structs.replace(
-                    self._loads.get(p) or LoadSnapshot(),
-                    in_flight=self._in_flight.get(p, 0),
-                    prefill_tokens=self._prefill.get(p, 0.0) if track else None,
-                )
-                for p in pods
-            }
+            return dict(self._merged)
 
     # -- read path
 
@@ -359,19 +371,29 @@ class Indexer:
         the same values as scorer.prefix.prefix_scores_from_matches on the masks."""
         bs = self.token_processor.block_size
         out: dict[str, PrefixScore] = {}
+        get = summary.get
+        empty = self._empty_prefix
+        best = self._best_tier_cache
         for pod in candidates:
-            s = summary.get(pod)
+            s = get(pod)
             if s is None:
-                out[pod] = PrefixScore(pod=pod)
+                ps = empty.get(pod)
+                if ps is None:  # frozen, so one per pod serves every score
+                    if len(empty) >= 65_536:
+                        empty.clear()
+                    ps = empty[pod] = PrefixScore(pod=pod)
+                out[pod] = ps
                 continue
             n, weighted, union = s
+            cov = weighted / request_blocks
+            tier = best.get(union, "")
             out[pod] = PrefixScore(
                 pod=pod,
                 matched_blocks=n,
                 matched_tokens=n * bs,
                 weighted_blocks=weighted,
-                coverage=min(1.0, weighted / request_blocks),
-                best_tier=self._best_tier(union),
+                coverage=cov if cov < 1.0 else 1.0,
+                best_tier=tier if tier != "" else self._best_tier(union),
             )
         return out
 

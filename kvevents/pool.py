@@ -532,13 +532,15 @@ class _Shard:
         done = len(batch.events) - r.left
         st.events += done
         st.clears += r.clears
-        stored, removed = st.stored, st.removed
-        for ev in batch.events[:done] if r.left else batch.events:
-            t = type(ev)
-            if t is BlockStored:
-                stored[ev.tier] = stored.get(ev.tier, 0) + len(ev.block_hashes)
-            elif t is BlockRemoved:
-                removed[ev.tier] = removed.get(ev.tier, 0) + len(ev.block_hashes)
+        # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)
+        if r.stored_by_tier:
+            into = st.stored
+            for tier, k in r.stored_by_tier.items():
+                into[tier] = into.get(tier, 0) + k
+        if r.removed_by_tier:
+            into = st.removed
+            for tier, k in r.removed_by_tier.items():
+                into[tier] = into.get(tier, 0) + k
         for msg in r.errors:
             self._error("apply", f"pod {pod}: event not applied: {msg}")
         if r.unavailable is not None:

@@ -84,6 +84,11 @@ class ApplyResult(msgspec.Struct):
             :class:`~kvindex.protocol.IndexUnavailable` that stopped the batch
             (a backend whose store is out of reach), else None.
         left: events not applied because of it (that one and the rest).
+        stored_by_tier, removed_by_tier: tier -> blocks carried by the
+            BlockStored / BlockRemoved events processed (applied or refused;
+            not the ``left`` ones), the sum of their ``len(block_hashes)``
+            (what a pool's per-stream counters need, tallied by the index so
+            that a batch costs no Python step per event).
     """
 
     stored_blocks: int = 0
@@ -92,6 +97,8 @@ class ApplyResult(msgspec.Struct):
     errors: list[str] = msgspec.field(default_factory=list)
     unavailable: str | None = None
     left: int = 0
+    stored_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
+    removed_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def apply_each(
@@ -130,6 +137,10 @@ def apply_each(
         except IndexUnavailable as exc:
             r.unavailable, r.left = str(exc), len(events) - i
             break
+        if t is stored_t:
+            r.stored_by_tier[ev.tier] = r.stored_by_tier.get(ev.tier, 0) + len(ev.block_hashes)
+        elif t is removed_t:
+            r.removed_by_tier[ev.tier] = r.removed_by_tier.get(ev.tier, 0) + len(ev.block_hashes)
     return r
 
 

@@ -10,10 +10,12 @@ Where the work happens:
 
 - In C++ (``kvindex._native.IndexCore``, native/native.cpp), with the GIL
   released: level 1 (request key -> holders: pod slot, DP rank, tier mask,
-  engine key) in an open-addressing table over uint64 with an intrusive LRU
-  list by block index; level 2 (engine key -> request key, reference counted);
-  the per-(pod, DP rank) engine key -> request key maps that make a clear cost
-  O(the pod's keys); pod slots, reused when a pod holds nothing; the chaining of
+  engine key) as an open-addressing table of 4-byte block indices over
+  32-byte block records with an intrusive LRU list by block index; level 2
+  (engine key -> request key, reference counted) and the per-(pod, DP rank,
+  model) engine key -> request key maps that make a clear cost O(the pod's
+  keys), both as tables of block indices keyed through the holders (see the
+  layout notes at the top of native/native.cpp); pod slots, reused when a pod holds nothing; the chaining of
   an event's request keys (``xxh3_chain``, bit-identical to
   :mod:`kvindex.keys`) and the storing of all its blocks, in one call; whole
   runs of a decoded batch's events (:meth:`apply_events`, the pool's call), in
@@ -52,6 +54,15 @@ from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
 __all__ = ["NativeKVBlockIndex"]
 
 _GPU_BIT = tier_bit(GPU)
+
+
+def _add_by_bit(by_tier: dict[str, int], counts: list[int]) -> None:
+    """Add per-tier-bit block counts (index = bit position, :data:`TIERS` order) to ``by_tier``."""
+    names = TIERS._names  # append-only: bit b's name is names[b]
+    for b, k in enumerate(counts):
+        if k:
+            name = names[b]
+            by_tier[name] = by_tier.get(name, 0) + k
 
 
 def _rank(dp_rank: int) -> int:
@@ -195,9 +206,15 @@ class NativeKVBlockIndex(SideTables):
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
-                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n) = self._core.apply_events(
-                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
+                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = (
+                    self._core.apply_events(
+                        pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
+                    )
                 )
+                if st_bits:
+                    _add_by_bit(r.stored_by_tier, st_bits)
+                if rm_bits:
+                    _add_by_bit(r.removed_by_tier, rm_bits)
                 if st_ev and model not in self._models:
                     self._models.add(model)
                 r.stored_blocks += st_blocks

@@ -6,13 +6,16 @@
 //  * IndexCore: the data of the two-level KV block index (see kvindex/native.py, the
 //    Python class around it, for the event semantics; they mirror kvindex/index.py).
 //
-// Layout (IndexCore):
-//  * blocks: a vector of Block records (request key, intrusive LRU links as indices,
-//    holders sized to the holders); freed records are reused through a free list;
+// Layout (IndexCore), about 52 bytes per (block, pod) at 10 M entries:
+//  * blocks: a vector of 32-byte Block records (request key, intrusive LRU links as indices, one
+//    16-byte Holder inline or a heap array sized to the holders); freed records are reused
+//    through a free list; holders keep interned ids of their DP rank and tier mask;
 //  * level 1: open-addressing set of block indices (4 bytes a slot) keyed by the block's request key;
-//  * level 2: open-addressing map engine key -> (request key, number of streams), 12-byte values;
-//  * streams: per (pod slot, DP rank), open-addressing map engine key -> request key,
-//    so that clearing a pod costs O(that pod's keys);
+//  * streams: per (pod slot, model, DP rank), engine key -> request key, so that clearing a pod
+//    costs O(that pod's keys);
+//  * level 2: per model, engine key -> (request key, number of streams);
+//    both as sets of block indices keyed by the engine key of the holder that carries the entry
+//    (FLAG_S / FLAG_L in the holder), plus explicit maps for entries no holder can carry;
 //  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
 //
 // Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
@@ -29,6 +32,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -54,6 +60,16 @@ inline u64 fmix64(u64 x) {
     x *= 0xC4CEB9FE1A85EC53ULL;
     x ^= x >> 33;
     return x;
+}
+
+// After a large table or array has grown, give the freed old one back to the system: glibc keeps
+// freed blocks below its (adaptive) mmap threshold inside the heap, where they stay resident.
+inline void release_freed(size_t old_bytes) {
+#if defined(__GLIBC__)
+    if (old_bytes >= (1u << 20)) malloc_trim(0);
+#else
+    (void)old_bytes;
+#endif
 }
 
 // ---------------------------------------------------------------- open addressing
@@ -155,6 +171,11 @@ class U64Map {
             keys_[s] = ok[i];
             vals_[s] = ov[i];
         }
+        size_t old_bytes = ok.capacity() * (sizeof(u64) + sizeof(V) + 1);
+        std::vector<u64>().swap(ok);
+        std::vector<V>().swap(ov);
+        std::vector<uint8_t>().swap(ou);
+        release_freed(old_bytes);
     }
 
     std::vector<u64> keys_;
@@ -262,107 +283,120 @@ void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t
 
 // ---------------------------------------------------------------- the index
 
+// One (pod, DP rank) holding a block: 16 bytes.  The tier mask and the DP rank are interned
+// (IndexCore::mask_vals_, rank_vals_: few distinct values, append-only) and kept as 16-bit ids.
+constexpr uint16_t POD_EMPTY = 0xFFFD;  // pod field of an empty inline holder slot
+constexpr uint16_t POD_SPILL = 0xFFFF;  // pod field marking holders spilled to the heap
+constexpr uint16_t MK_ID = 0x3FFF;      // mask id bits of Holder::mk (the top two are flags)
 struct Holder {
-    u64 ek;     // the engine key this (pod, rank) stored the block under
-    u64 mask;   // tier bits
-    uint16_t pod;
+    u64 ek;          // the engine key this (pod, rank) stored the block under
+    uint16_t pod;    // pod slot
     uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
-    int32_t rank;
+    uint16_t rid;    // interned DP rank
+    uint16_t mk;     // interned tier mask (low 14 bits) and flags
 };
+static_assert(sizeof(Holder) == 16, "Holder is 16 bytes");
 
-// The holders of one block: the first one inline (most blocks have one holder), more on the
-// heap in an array sized to the holders.
+// The holders of one block in 16 bytes: one holder inline (most blocks have one), or a pointer
+// to a heap array sized to the holders (two or more), marked by pod == POD_SPILL.
 class HolderVec {
   public:
-    HolderVec() {}
+    HolderVec() { set_empty(); }
     HolderVec(const HolderVec&) = delete;
     HolderVec& operator=(const HolderVec&) = delete;
-    HolderVec(HolderVec&& o) noexcept { take(o); }
+    HolderVec(HolderVec&& o) noexcept {
+        u_ = o.u_;
+        o.set_empty();
+    }
     HolderVec& operator=(HolderVec&& o) noexcept {
         if (this != &o) {
             release();
-            take(o);
+            u_ = o.u_;
+            o.set_empty();
         }
         return *this;
     }
     ~HolderVec() { release(); }
 
-    size_t size() const { return n_; }
-    bool empty() const { return n_ == 0; }
-    size_t capacity() const { return cap_; }
+    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pod == POD_EMPTY ? 0 : 1); }
+    bool empty() const { return size() == 0; }
+    size_t heap_bytes() const { return spilled() ? u_.sp.n * sizeof(Holder) : 0; }
     Holder* begin() { return data(); }
-    Holder* end() { return data() + n_; }
+    Holder* end() { return data() + size(); }
     const Holder* begin() const { return data(); }
-    const Holder* end() const { return data() + n_; }
+    const Holder* end() const { return data() + size(); }
     Holder& operator[](size_t i) { return data()[i]; }
     const Holder& operator[](size_t i) const { return data()[i]; }
 
     void push_back(const Holder& h) {
-        if (n_ == cap_) {
-            u32 ncap = cap_ + 1;
-            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * ncap));
-            std::memcpy(m, data(), sizeof(Holder) * n_);
-            if (cap_ > 1) ::operator delete(u_.many);
-            u_.many = m;
-            cap_ = ncap;
+        size_t n = size();
+        if (n == 0) {
+            u_.one = h;
+            return;
         }
-        data()[n_++] = h;
+        Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n + 1)));
+        std::memcpy(m, data(), sizeof(Holder) * n);
+        m[n] = h;
+        release();
+        u_.sp.many = m;
+        u_.sp.tag = POD_SPILL;
+        u_.sp.n = (u32)(n + 1);
     }
 
-    // Remove holder i (order not kept beyond the first), shrinking to fit.
+    // Remove holder i (the others keep their order), shrinking to fit.
     void erase(size_t i) {
-        Holder* d = data();
-        for (size_t k = i + 1; k < n_; ++k) d[k - 1] = d[k];
-        --n_;
-        if (cap_ > 1 && n_ <= 1) {
-            Holder keep = n_ ? d[0] : Holder{};
-            ::operator delete(u_.many);
-            u_.one = keep;
-            cap_ = 1;
-        } else if (cap_ > 1 && n_ + 1 < cap_) {
-            Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * n_));
-            std::memcpy(m, d, sizeof(Holder) * n_);
-            ::operator delete(u_.many);
-            u_.many = m;
-            cap_ = (u32)n_;
+        size_t n = size();
+        if (n == 1) {
+            set_empty();
+            return;
         }
+        Holder* d = u_.sp.many;
+        if (n == 2) {
+            Holder keep = d[1 - i];
+            ::operator delete(d);
+            u_.one = keep;
+            return;
+        }
+        Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n - 1)));
+        std::memcpy(m, d, sizeof(Holder) * i);
+        std::memcpy(m + i, d + i + 1, sizeof(Holder) * (n - 1 - i));
+        ::operator delete(d);
+        u_.sp.many = m;
+        u_.sp.n = (u32)(n - 1);
     }
 
     void clear() {
         release();
-        n_ = 0;
-        cap_ = 1;
+        set_empty();
     }
 
   private:
-    Holder* data() { return cap_ == 1 ? &u_.one : u_.many; }
-    const Holder* data() const { return cap_ == 1 ? &u_.one : u_.many; }
+    bool spilled() const { return u_.sp.tag == POD_SPILL; }
+    Holder* data() { return spilled() ? u_.sp.many : &u_.one; }
+    const Holder* data() const { return spilled() ? u_.sp.many : &u_.one; }
+    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0, 0, 0}; }
     void release() {
-        if (cap_ > 1) ::operator delete(u_.many);
+        if (spilled()) ::operator delete(u_.sp.many);
     }
-    void take(HolderVec& o) {
-        n_ = o.n_;
-        cap_ = o.cap_;
-        if (cap_ > 1)
-            u_.many = o.u_.many;
-        else
-            u_.one = o.u_.one;
-        o.n_ = 0;
-        o.cap_ = 1;
-    }
-    u32 n_ = 0, cap_ = 1;
     union U {
         Holder one;
-        Holder* many;
+        struct {
+            Holder* many;
+            uint16_t tag;  // overlays Holder::pod
+            uint16_t pad;
+            u32 n;
+        } sp;
         U() : one() {}
     } u_;
 };
+static_assert(sizeof(HolderVec) == 16, "HolderVec is 16 bytes");
 
-struct Block {
+struct Block {  // 32 bytes
     u64 rk = 0;
     u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
     HolderVec hs;
 };
+static_assert(sizeof(Block) == 32, "Block is 32 bytes");
 
 #pragma pack(push, 4)
 struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
@@ -371,25 +405,41 @@ struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
 };
 #pragma pack(pop)
 
-// Level 1: request key -> block index, open addressing with linear probing and backward-shift
-// deletion, storing only the block index (4 bytes a slot): a slot's key is its block's request key.
-class RkMap {
+// An open-addressing set of block indices (4 bytes a slot) keyed by a key derived from the block
+// (KeyOf(index) -> u64): linear probing, backward-shift deletion, load <= 3/4.  Level 1 keys blocks
+// by request key; each stream and each model's level 2 key blocks by a holder's engine key.
+template <class KeyOf>
+class IdxSet {
   public:
-    explicit RkMap(const std::vector<Block>* blocks) : blocks_(blocks) {}
+    IdxSet() {}
+    explicit IdxSet(KeyOf key) : key_(key) {}
+    KeyOf& key() { return key_; }
+    const KeyOf& key() const { return key_; }
     size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
 
-    u32* find(u64 k) {
+    // The index stored under k, or NIL.
+    u32 find(u64 k) const {
+        if (size_ == 0) return NIL;
+        size_t i = slot(k);
+        while (slots_[i] != NIL) {
+            if (key_(slots_[i]) == k) return slots_[i];
+            i = (i + 1) & mask_;
+        }
+        return NIL;
+    }
+    // A pointer to the slot holding k's index (level 1's interface), or nullptr.
+    const u32* find_ptr(u64 k) const {
         if (size_ == 0) return nullptr;
         size_t i = slot(k);
         while (slots_[i] != NIL) {
-            if ((*blocks_)[slots_[i]].rk == k) return &slots_[i];
+            if (key_(slots_[i]) == k) return &slots_[i];
             i = (i + 1) & mask_;
         }
         return nullptr;
     }
-    const u32* find(u64 k) const { return const_cast<RkMap*>(this)->find(k); }
 
-    // Adds k -> idx; k must be absent and blocks[idx].rk == k.
+    // Adds k -> idx; k must be absent and key(idx) == k once the caller has set the block up.
     void insert(u64 k, u32 idx) {
         if ((size_ + 1) * 4 > slots_.size() * 3) grow();
         size_t i = slot(k);
@@ -403,14 +453,15 @@ class RkMap {
         size_t i = slot(k);
         while (true) {
             if (slots_[i] == NIL) return false;
-            if ((*blocks_)[slots_[i]].rk == k) break;
+            if (key_(slots_[i]) == k) break;
             i = (i + 1) & mask_;
         }
         size_t j = i;
         while (true) {
             j = (j + 1) & mask_;
             if (slots_[j] == NIL) break;
-            size_t home = slot((*blocks_)[slots_[j]].rk);
+            size_t home = slot(key_(slots_[j]));
+            // move j back to i unless its home lies cyclically in (i, j]
             bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
             if (!stays) {
                 slots_[i] = slots_[j];
@@ -419,7 +470,17 @@ class RkMap {
         }
         slots_[i] = NIL;
         --size_;
+        if (size_ == 0) {
+            std::vector<u32>().swap(slots_);
+            mask_ = 0;
+        }
         return true;
+    }
+
+    template <class F>
+    void for_each(F&& f) const {
+        for (u32 idx : slots_)
+            if (idx != NIL) f(idx);
     }
 
     size_t bytes() const { return slots_.capacity() * sizeof(u32); }
@@ -434,15 +495,65 @@ class RkMap {
         mask_ = ncap - 1;
         for (u32 idx : old) {
             if (idx == NIL) continue;
-            size_t i = slot((*blocks_)[idx].rk);
+            size_t i = slot(key_(idx));
             while (slots_[i] != NIL) i = (i + 1) & mask_;
             slots_[i] = idx;
         }
+        size_t old_bytes = old.capacity() * sizeof(u32);
+        std::vector<u32>().swap(old);
+        release_freed(old_bytes);
     }
-    const std::vector<Block>* blocks_;
+    KeyOf key_;
     std::vector<u32> slots_;
     size_t size_ = 0;
     size_t mask_ = 0;
+};
+
+// Holder::mk flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
+// holder.ek -> the block's request key.  FLAG_L: the holder carries its model's level-2 entry
+// holder.ek -> (the block's request key, 1 stream).  Entries that no holder can carry (the
+// engine key or model of the holder differs, more than one stream, a value that outlived its
+// holder) are kept explicitly in a U64Map beside the set.
+constexpr uint16_t FLAG_S = 0x8000;
+constexpr uint16_t FLAG_L = 0x4000;
+
+struct RkOf {
+    const std::vector<Block>* blocks = nullptr;
+    u64 operator()(u32 i) const { return (*blocks)[i].rk; }
+};
+
+// The holder of block i carrying a stream's (by_pod: pod, rid, model) or a model's level-2 entry.
+struct HolderKey {
+    const std::vector<Block>* blocks = nullptr;
+    uint16_t pod = 0, rid = 0, model = 0, flag = 0;
+    bool by_pod = false;
+    const Holder* holder(u32 i) const {
+        for (const Holder& h : (*blocks)[i].hs)
+            if ((h.mk & flag) && h.model == model && (!by_pod || (h.pod == pod && h.rid == rid))) return &h;
+        return nullptr;
+    }
+    u64 operator()(u32 i) const {
+        const Holder* h = holder(i);
+        return h ? h->ek : ~0ULL;
+    }
+};
+
+using RkMap = IdxSet<RkOf>;
+
+// One publisher stream's engine key -> request key map.
+struct Stream {
+    IdxSet<HolderKey> t;  // entries carried by holders (FLAG_S)
+    U64Map<u64> x;        // the others
+    size_t size() const { return t.size() + x.size(); }
+    bool empty() const { return t.empty() && x.empty(); }
+};
+
+// One model's level 2: engine key -> (request key, streams mapping it).
+struct Engine {
+    IdxSet<HolderKey> t;  // (rk, 1) entries carried by holders (FLAG_L)
+    U64Map<EngineRef> x;  // the others
+    size_t size() const { return t.size() + x.size(); }
+    bool empty() const { return t.empty() && x.empty(); }
 };
 
 // A publisher stream: (pod slot, model id, DP rank).
@@ -513,7 +624,7 @@ class IndexCore {
             std::unique_lock lk(mu_);
             uint16_t ps = pod_slot(pod);
             u64 sid = stream_id(ps, mid, rank);
-            streams_[sid];
+            stream_mk(sid);
             for (size_t i = 0; i < eks.n; ++i) {
                 u64 ek = eks.data[i];
                 std::optional<u64> rk = compat_ ? std::optional<u64>(ek) : resolve_locked(ps, rank, mid, ek);
@@ -542,9 +653,9 @@ class IndexCore {
         u64 sid = stream_id(ps, mid, rank);
         for (size_t i = 0; i < eks.n; ++i) {
             u64 ek = eks.data[i];
-            U64Map<u64>* st = stream(sid);
-            const u64* rk = st ? st->find(ek) : nullptr;
-            if (rk && drop_copy(ps, rank, ek, *rk, bit)) hit[i] = true;
+            Stream* st = stream(sid);
+            u64 rk;
+            if (st && s_find(*st, ek, rk) && drop_copy(ps, rank, ek, rk, bit)) hit[i] = true;
         }
         finish_write(ps);
         return hit;
@@ -567,21 +678,32 @@ class IndexCore {
                 (model == ALL || stream_model(kv.first) == (uint16_t)model))
                 sids.push_back(kv.first);
         size_t n = 0;
+        std::vector<std::pair<u64, u64>> ents;
         for (u64 sid : sids) {
-            U64Map<u64> emap = std::move(streams_[sid]);
-            streams_.erase(sid);
+            ents.clear();
+            {
+                // take the stream's entries out (the holders carrying them let go) and drop it
+                Stream& st = streams_.find(sid)->second;
+                st.t.for_each([&](u32 bi) {
+                    Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
+                    ents.emplace_back(h->ek, blocks_[bi].rk);
+                    h->mk &= (uint16_t)~FLAG_S;
+                });
+                st.x.for_each([&](u64 ek, u64 rk) { ents.emplace_back(ek, rk); });
+                streams_.erase(sid);
+            }
             int32_t r = stream_rank(sid);
             uint16_t sm = stream_model(sid);
-            emap.for_each([&](u64 ek, u64 rk) {
+            for (auto& [ek, rk] : ents) {
                 unref_engine(ek, sm);
-                u32* bi = rk_map_.find(rk);
-                if (!bi) return;
+                const u32* bi = rk_map_.find_ptr(rk);
+                if (!bi) continue;
                 Block& b = blocks_[*bi];
                 size_t h = find_holder(b, ps, r);
-                if (h == NIL) return;
+                if (h == NIL) continue;
                 ++n;
                 erase_holder(*bi, h);
-            });
+            }
         }
         finish_write(ps);
         return n;
@@ -597,8 +719,11 @@ class IndexCore {
     // in xxh3_chain mode, whose parent engine key is unknown: the caller applies that one in Python
     // and calls again from the next.  Returns (next index, stored events, stored blocks, removed
     // events, removed blocks (sum of lengths), removals that hit, removals that missed, clears,
-    // clears that removed something).
-    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t> apply_events(
+    // clears that removed something, stored blocks per tier bit, removed blocks per tier bit); the
+    // per-bit lists end at the highest bit counted.
+    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, std::vector<u64>,
+               std::vector<u64>>
+    apply_events(
         const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
         nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
         nb::handle K_o, u64 A) {
@@ -690,6 +815,7 @@ class IndexCore {
         }
 
         size_t st_ev = 0, st_blocks = 0, rm_ev = 0, rm_blocks = 0, hits = 0, misses = 0, clears = 0, clears_n = 0;
+        std::vector<u64> st_bits(64, 0), rm_bits(64, 0);
         size_t applied = 0;
         {
             nb::gil_scoped_release nogil;
@@ -712,9 +838,9 @@ class IndexCore {
                         u64 sid = stream_id(ps, mid, rank);
                         for (size_t i = 0; i < x.eks.n; ++i) {
                             u64 ek = x.eks.data[i];
-                            U64Map<u64>* stp = stream(sid);
-                            const u64* rk = stp ? stp->find(ek) : nullptr;
-                            if (rk && drop_copy(ps, rank, ek, *rk, x.bit))
+                            Stream* stp = stream(sid);
+                            u64 rk;
+                            if (stp && s_find(*stp, ek, rk) && drop_copy(ps, rank, ek, rk, x.bit))
                                 ++hits;
                             else
                                 ++misses;
@@ -723,6 +849,7 @@ class IndexCore {
                     }
                     ++rm_ev;
                     rm_blocks += x.eks.n;
+                    if (x.bit) rm_bits[__builtin_ctzll(x.bit)] += x.eks.n;
                     continue;
                 }
                 size_t nb_ = x.eks.n;
@@ -734,8 +861,8 @@ class IndexCore {
                         auto it = pod_by_name_.find(pod);
                         if (it != pod_by_name_.end()) {
                             prk = resolve_locked(it->second, rank, mid, x.parent);
-                        } else if (const EngineRef* v = engine_find(mid, x.parent)) {
-                            prk = v->rk;
+                        } else {
+                            prk = engine_find(mid, x.parent);
                         }
                         if (!prk) break;  // an orphan: the caller keeps it
                         state = *prk;
@@ -750,9 +877,13 @@ class IndexCore {
                 finish_write(ps);
                 ++st_ev;
                 st_blocks += nb_;
+                if (x.bit) st_bits[__builtin_ctzll(x.bit)] += nb_;
             }
         }
-        return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n};
+        for (std::vector<u64>* v : {&st_bits, &rm_bits})
+            while (!v->empty() && v->back() == 0) v->pop_back();
+        return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n,
+                std::move(st_bits), std::move(rm_bits)};
     }
 
     // Makes `rk` the most recently used key (if held).
@@ -856,11 +987,11 @@ class IndexCore {
                 auto it = pod_by_name_.find(names[c]);
                 if (it == pod_by_name_.end()) continue;
                 for (size_t i = 0; i < keys.n; ++i) {
-                    const u32* bi = rk_map_.find(keys.data[i]);
+                    const u32* bi = rk_map_.find_ptr(keys.data[i]);
                     if (!bi) continue;
                     u64 m = 0;
                     for (const Holder& h : blocks_[*bi].hs)
-                        if (h.pod == it->second) m |= h.mask;
+                        if (h.pod == it->second) m |= hmask(h);
                     rows[c][i] = m;
                 }
             }
@@ -878,9 +1009,9 @@ class IndexCore {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find(keys.data[i]);
+            const u32* bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
-            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], h.mask, h.rank);
+            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], hmask(h), hrank(h));
         }
         return out;
     }
@@ -910,22 +1041,22 @@ class IndexCore {
             }
         }
         if (nranks == 1) {
-            const u32* bi = rk_map_.find(keys.data[0]);
+            const u32* bi = rk_map_.find_ptr(keys.data[0]);
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && h.rank == only) return only;
+                    if (h.pod == ps && hrank(h) == only) return only;
             return std::nullopt;
         }
         std::vector<int32_t> alive, next;
         bool first = true;
         std::optional<int32_t> best;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find(keys.data[i]);
+            const u32* bi = rk_map_.find_ptr(keys.data[i]);
             next.clear();
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), h.rank) != alive.end()))
-                        next.push_back(h.rank);
+                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
+                        next.push_back(hrank(h));
             first = false;
             alive.swap(next);
             if (alive.empty()) break;
@@ -940,8 +1071,7 @@ class IndexCore {
         std::shared_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
         if (it != pod_by_name_.end()) return resolve_locked(it->second, rank, mid, ek);
-        const EngineRef* v = engine_find(mid, ek);
-        return v ? std::optional<u64>(v->rk) : std::nullopt;
+        return engine_find(mid, ek);
     }
 
     // Level 2 under model `model` (ALL: the first model, in first-use order, knowing it).
@@ -949,13 +1079,14 @@ class IndexCore {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         if (compat_) {
+            u64 rk;
             for (auto& kv : streams_)
-                if ((model == ALL || stream_model(kv.first) == (uint16_t)model) && kv.second.find(ek)) return ek;
+                if ((model == ALL || stream_model(kv.first) == (uint16_t)model) && s_find(kv.second, ek, rk)) return ek;
             return std::nullopt;
         }
         for (auto& e : engines_)
             if (model == ALL || e.first == (uint16_t)model)
-                if (const EngineRef* v = e.second.find(ek)) return v->rk;
+                if (std::optional<u64> rk = e_find(e.second, ek)) return rk;
         return std::nullopt;
     }
 
@@ -978,7 +1109,7 @@ class IndexCore {
         std::shared_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return false;
-        const u32* bi = rk_map_.find(rk);
+        const u32* bi = rk_map_.find_ptr(rk);
         if (!bi) return false;
         for (const Holder& h : blocks_[*bi].hs)
             if (h.pod == it->second) return true;
@@ -995,7 +1126,7 @@ class IndexCore {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return out;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find(keys.data[i]);
+            const u32* bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
             for (const Holder& h : blocks_[*bi].hs)
                 if (h.pod == it->second) {
@@ -1008,7 +1139,7 @@ class IndexCore {
 
     bool contains(u64 rk) {
         std::shared_lock lk(mu_);
-        return rk_map_.find(rk) != nullptr;
+        return rk_map_.find_ptr(rk) != nullptr;
     }
 
     std::vector<u64> pod_keys(const std::string& pod, std::optional<int32_t> rank) {
@@ -1019,7 +1150,7 @@ class IndexCore {
         if (it == pod_by_name_.end()) return out;
         for (auto& kv : streams_)
             if (stream_pod(kv.first) == it->second && (!rank || stream_rank(kv.first) == *rank))
-                kv.second.for_each([&](u64, u64 rk) { out.push_back(rk); });
+                s_for_each(kv.second, [&](u64, u64 rk) { out.push_back(rk); });
         return out;
     }
 
@@ -1072,8 +1203,8 @@ class IndexCore {
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             u64 uni = 0;
             for (const Holder& h : blocks_[i].hs) {
-                uni |= h.mask;
-                for (u64 m = h.mask; m; m &= m - 1) ++out[__builtin_ctzll(m)].second;
+                uni |= hmask(h);
+                for (u64 m = hmask(h); m; m &= m - 1) ++out[__builtin_ctzll(m)].second;
             }
             for (u64 m = uni; m; m &= m - 1) ++out[__builtin_ctzll(m)].first;
         }
@@ -1087,10 +1218,11 @@ class IndexCore {
     size_t memory_bytes() {
         std::shared_lock lk(mu_);
         size_t b = blocks_.capacity() * sizeof(Block) + free_.capacity() * sizeof(u32) + rk_map_.bytes();
-        for (auto& e : engines_) b += e.second.bytes();
+        for (auto& e : engines_) b += e.second.t.bytes() + e.second.x.bytes() + 64;
         for (const Block& blk : blocks_)
-            if (blk.hs.capacity() > 1) b += blk.hs.capacity() * sizeof(Holder);
-        for (auto& kv : streams_) b += kv.second.bytes() + 32;
+            b += blk.hs.heap_bytes();
+        b += mask_vals_.capacity() * sizeof(u64) + rank_vals_.capacity() * sizeof(int32_t);
+        for (auto& kv : streams_) b += kv.second.t.bytes() + kv.second.x.bytes() + 96;
         return b;
     }
 
@@ -1101,7 +1233,7 @@ class IndexCore {
         u32 prev = NIL;
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             if (blocks_[i].prev != prev) throw std::runtime_error("LRU links broken");
-            const u32* bi = rk_map_.find(blocks_[i].rk);
+            const u32* bi = rk_map_.find_ptr(blocks_[i].rk);
             if (!bi || *bi != i) throw std::runtime_error("level 1 does not map a listed block");
             if (blocks_[i].hs.empty()) throw std::runtime_error("a block without holders");
             prev = i;
@@ -1118,6 +1250,29 @@ class IndexCore {
         }
         for (size_t s = 0; s < counted.size(); ++s)
             if (counted[s] != pod_blocks_[s]) throw std::runtime_error("pod block count wrong");
+        // entries carried by holders: each set slot has its holder, each flagged holder its slot
+        auto check_set = [&](const IdxSet<HolderKey>& t) {
+            t.for_each([&](u32 bi) {
+                const Holder* h = t.key().holder(bi);
+                if (!h || t.find(h->ek) != bi) throw std::runtime_error("a carried entry without its holder");
+            });
+        };
+        for (auto& kv : streams_) check_set(kv.second.t);
+        for (auto& e : engines_) check_set(e.second.t);
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next)
+            for (const Holder& h : blocks_[i].hs) {
+                if (h.mk & FLAG_S) {
+                    auto it = streams_.find(stream_id(h.pod, h.model, hrank(h)));
+                    if (it == streams_.end() || it->second.t.find(h.ek) != i)
+                        throw std::runtime_error("a holder's stream entry is missing");
+                }
+                if (h.mk & FLAG_L) {
+                    Engine* em = nullptr;
+                    for (auto& e : engines_)
+                        if (e.first == h.model) em = &e.second;
+                    if (!em || em->t.find(h.ek) != i) throw std::runtime_error("a holder's level-2 entry is missing");
+                }
+            }
     }
 
   private:
@@ -1203,11 +1358,11 @@ class IndexCore {
         std::vector<size_t> live(nc);
         for (size_t c = 0; c < nc; ++c) live[c] = c;
         for (size_t i = 0; i < n && !live.empty(); ++i) {
-            const u32* bi = rk_map_.find(keys[i]);
+            const u32* bi = rk_map_.find_ptr(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
                 int c = of_slot[h.pod];
-                if (c >= 0) cur[(size_t)c] |= h.mask;
+                if (c >= 0) cur[(size_t)c] |= hmask(h);
             }
             for (size_t k = 0; k < live.size();) {
                 size_t c = live[k];
@@ -1246,7 +1401,7 @@ class IndexCore {
             pod_names_[s] = pod;
             pod_blocks_[s] = 0;
         } else {
-            if (pod_names_.size() >= 0xFFFF) throw std::length_error("more than 65535 pods hold blocks");
+            if (pod_names_.size() >= POD_EMPTY) throw std::length_error("more than 65533 pods hold blocks");
             s = (uint16_t)pod_names_.size();
             pod_names_.push_back(pod);
             pod_blocks_.push_back(0);
@@ -1270,32 +1425,113 @@ class IndexCore {
         free_pods_.push_back(ps);
     }
 
-    U64Map<u64>* stream(u64 sid) {
+    Stream* stream(u64 sid) {
         auto it = streams_.find(sid);
         return it == streams_.end() ? nullptr : &it->second;
     }
 
-    std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
-        if (U64Map<u64>* st = stream(stream_id(ps, mid, rank)))
-            if (const u64* rk = st->find(ek)) return *rk;
-        const EngineRef* v = engine_find(mid, ek);
-        return v ? std::optional<u64>(v->rk) : std::nullopt;
+    Stream& stream_mk(u64 sid) {
+        auto [it, ins] = streams_.try_emplace(sid);
+        if (ins)
+            it->second.t.key() = HolderKey{&blocks_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
+                                           FLAG_S, true};
+        return it->second;
     }
 
-    U64Map<EngineRef>* engine_map(uint16_t mid) {
+    // ---- the entries of one stream (engine key -> request key)
+
+    bool s_find(const Stream& st, u64 ek, u64& rk) const {
+        if (const u64* v = st.x.find(ek)) {
+            rk = *v;
+            return true;
+        }
+        u32 bi = st.t.find(ek);
+        if (bi == NIL) return false;
+        rk = blocks_[bi].rk;
+        return true;
+    }
+
+    // Erase ek from the stream if it maps to rk; true if it did.
+    bool s_erase_if(Stream& st, u64 ek, u64 rk) {
+        if (const u64* v = st.x.find(ek)) {
+            if (*v != rk) return false;
+            st.x.erase(ek);
+            return true;
+        }
+        u32 bi = st.t.find(ek);
+        if (bi == NIL || blocks_[bi].rk != rk) return false;
+        Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
+        st.t.erase(ek);  // the holder keeps FLAG_S until its slot is gone (the set reads its key)
+        h->mk &= (uint16_t)~FLAG_S;
+        return true;
+    }
+
+    template <class F>
+    void s_for_each(const Stream& st, F&& f) const {
+        st.t.for_each([&](u32 bi) { f(st.t.key()(bi), blocks_[bi].rk); });
+        st.x.for_each([&](u64 ek, u64 rk) { f(ek, rk); });
+    }
+
+    std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
+        u64 rk;
+        if (Stream* st = stream(stream_id(ps, mid, rank)))
+            if (s_find(*st, ek, rk)) return rk;
+        return engine_find(mid, ek);
+    }
+
+    // ---- level 2 (per model: engine key -> (request key, streams))
+
+    Engine* engine_map(uint16_t mid) {
         for (auto& e : engines_)
             if (e.first == mid) return &e.second;
         return nullptr;
     }
 
-    const EngineRef* engine_find(uint16_t mid, u64 ek) {
-        U64Map<EngineRef>* m = engine_map(mid);
-        return m ? m->find(ek) : nullptr;
+    std::optional<u64> e_find(const Engine& em, u64 ek) const {
+        if (const EngineRef* v = em.x.find(ek)) return v->rk;
+        u32 bi = em.t.find(ek);
+        if (bi == NIL) return std::nullopt;
+        return blocks_[bi].rk;
     }
 
-    static size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
+    std::optional<u64> engine_find(uint16_t mid, u64 ek) {
+        Engine* m = engine_map(mid);
+        return m ? e_find(*m, ek) : std::nullopt;
+    }
+
+    // Drop the level-2 entry (mid, ek) carried by a holder of block bi; returns its request key.
+    void e_untake(Engine& em, u64 ek, u32 bi) {
+        Holder* h = const_cast<Holder*>(em.t.key().holder(bi));
+        em.t.erase(ek);
+        h->mk &= (uint16_t)~FLAG_L;
+    }
+
+    // The entries holder h (of block bi) carries move to the explicit maps, before its engine key
+    // changes or it goes: the stream and level-2 contents stay what they were.
+    void detach(u32 bi, Holder& h) {
+        if (!(h.mk & (FLAG_S | FLAG_L))) return;
+        u64 rk = blocks_[bi].rk;
+        if (h.mk & FLAG_S) {
+            Stream* st = stream(stream_id(h.pod, h.model, hrank(h)));
+            st->t.erase(h.ek);
+            h.mk &= (uint16_t)~FLAG_S;
+            *st->x.emplace(h.ek).first = rk;
+        }
+        if (h.mk & FLAG_L) {
+            Engine* em = engine_map(h.model);
+            em->t.erase(h.ek);
+            h.mk &= (uint16_t)~FLAG_L;
+            EngineRef* e = em->x.emplace(h.ek).first;
+            e->rk = rk;
+            e->refs = 1;
+        }
+    }
+
+    size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
+        uint16_t rid = rank_find(rank);
+        if (rid == NO_RID) return NIL;
         for (size_t i = 0; i < b.hs.size(); ++i)
-            if (b.hs[i].pod == ps && b.hs[i].rank == rank) return i;
+            if (b.hs[i].pod == ps && b.hs[i].rid == rid) return i;
         return NIL;
     }
 
@@ -1322,7 +1558,7 @@ class IndexCore {
 
     void touch_locked(const u64* keys, size_t n) {
         for (size_t k = 0; k < n; ++k) {
-            const u32* bi = rk_map_.find(keys[k]);
+            const u32* bi = rk_map_.find_ptr(keys[k]);
             if (!bi || *bi == lru_tail_) continue;
             u32 i = *bi;
             lru_unlink(i);
@@ -1338,7 +1574,9 @@ class IndexCore {
         } else {
             if (blocks_.size() >= NIL - 1) throw std::length_error("index full");
             i = (u32)blocks_.size();
+            size_t cap = blocks_.capacity();
             blocks_.emplace_back();
+            if (blocks_.capacity() != cap) release_freed(cap * sizeof(Block));
         }
         blocks_[i].rk = rk;
         rk_map_.insert(rk, i);
@@ -1348,6 +1586,7 @@ class IndexCore {
 
     void free_block(u32 i) {
         Block& b = blocks_[i];
+        for (Holder& h : b.hs) detach(i, h);
         lru_unlink(i);
         rk_map_.erase(b.rk);
         b.hs.clear();
@@ -1358,6 +1597,7 @@ class IndexCore {
     void erase_holder(u32 bi, size_t h) {
         Block& b = blocks_[bi];
         uint16_t ps = b.hs[h].pod;
+        detach(bi, b.hs[h]);
         b.hs.erase(h);
         if (!has_pod(b, ps)) --pod_blocks_[ps];
         if (b.hs.empty()) free_block(bi);
@@ -1367,32 +1607,54 @@ class IndexCore {
         if (compat_) return;
         for (size_t i = 0; i < engines_.size(); ++i) {
             if (engines_[i].first != mid) continue;
-            EngineRef* v = engines_[i].second.find(ek);
-            if (v && --v->refs == 0) {
-                engines_[i].second.erase(ek);
-                if (engines_[i].second.empty()) engines_.erase(engines_.begin() + (long)i);
+            Engine& em = engines_[i].second;
+            if (EngineRef* v = em.x.find(ek)) {
+                if (--v->refs == 0) em.x.erase(ek);
+            } else {
+                u32 bi = em.t.find(ek);
+                if (bi == NIL) return;
+                e_untake(em, ek, bi);
             }
+            if (em.empty()) engines_.erase(engines_.begin() + (long)i);
             return;
         }
     }
 
-    void link(uint16_t mid, U64Map<u64>& st, u64 ek, u64 rk) {
-        auto [v, inserted] = st.emplace(ek);
-        if (inserted || *v != rk) {
-            *v = rk;
+    // Map ek -> rk in stream st (and level 2); hd: the (pod, rank) holder of block bi, whose
+    // engine key is ek, which carries the entries when it can.
+    void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd) {
+        u64 cur;
+        bool has = s_find(st, ek, cur);
+        if (!has || cur != rk) {
+            if (has) s_erase_if(st, ek, cur);
+            if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_S)) {
+                st.t.insert(ek, bi);
+                hd.mk |= FLAG_S;
+            } else {
+                *st.x.emplace(ek).first = rk;
+            }
             if (!compat_) {
-                U64Map<EngineRef>* em = engine_map(mid);
+                Engine* em = engine_map(mid);
                 if (!em) {
-                    engines_.emplace_back(mid, U64Map<EngineRef>());
+                    engines_.emplace_back(mid, Engine());
                     em = &engines_.back().second;
+                    em->t.key() = HolderKey{&blocks_, 0, 0, mid, FLAG_L, false};
                 }
-                auto [e, ins] = em->emplace(ek);
-                if (ins) {
+                if (EngineRef* v = em->x.find(ek)) {
+                    v->rk = rk;
+                    v->refs += 1;
+                } else if (u32 bj = em->t.find(ek); bj != NIL) {
+                    e_untake(*em, ek, bj);
+                    EngineRef* e = em->x.emplace(ek).first;
+                    e->rk = rk;
+                    e->refs = 2;
+                } else if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_L) && !em->t.key().holder(bi)) {
+                    em->t.insert(ek, bi);
+                    hd.mk |= FLAG_L;
+                } else {
+                    EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
                     e->refs = 1;
-                } else {
-                    e->rk = rk;
-                    e->refs += 1;
                 }
             }
         }
@@ -1401,16 +1663,12 @@ class IndexCore {
 
     // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
     void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
-        U64Map<u64>* stp = stream(sid);
-        if (stp) {
-            const u64* old = stp->find(ek);
-            if (old && *old != rk) {
-                u64 old_rk = *old;
-                drop_copy(ps, rank, ek, old_rk, ~0ULL);
-            }
+        if (Stream* stp = stream(sid)) {
+            u64 old_rk;
+            if (s_find(*stp, ek, old_rk) && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
         }
-        U64Map<u64>& st = streams_[sid];
-        u32* bip = rk_map_.find(rk);
+        Stream& st = stream_mk(sid);
+        const u32* bip = rk_map_.find_ptr(rk);
         u32 bi;
         if (!bip) {
             bi = new_block(rk);
@@ -1426,41 +1684,33 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            b.hs.push_back(Holder{ek, bit, ps, mid, rank});
+            b.hs.push_back(Holder{ek, ps, mid, rank_id(rank), mask_id(bit)});
+            h = b.hs.size() - 1;
         } else {
             Holder& hd = b.hs[h];
-            hd.mask |= bit;
+            set_hmask(hd, hmask(hd) | bit);
             if (hd.ek != ek) {
-                const u64* cur = st.find(hd.ek);
-                if (cur && *cur == rk) {
-                    st.erase(hd.ek);
-                    unref_engine(hd.ek, mid);
-                }
+                if (s_erase_if(st, hd.ek, rk)) unref_engine(hd.ek, mid);
+                detach(bi, hd);
                 hd.ek = ek;
             }
         }
-        link(mid, st, ek, rk);
+        link(mid, st, ek, rk, bi, b.hs[h]);
     }
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
     bool drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
-        u32* bip = rk_map_.find(rk);
+        const u32* bip = rk_map_.find_ptr(rk);
         if (!bip) return false;
         u32 bi = *bip;
         Block& b = blocks_[bi];
         size_t h = find_holder(b, ps, rank);
-        if (h == NIL || !(b.hs[h].mask & bit)) return false;
-        b.hs[h].mask &= ~bit;
-        if (b.hs[h].mask == 0) {
+        if (h == NIL || !(hmask(b.hs[h]) & bit)) return false;
+        set_hmask(b.hs[h], hmask(b.hs[h]) & ~bit);
+        if (hmask(b.hs[h]) == 0) {
             uint16_t hm = b.hs[h].model;
-            U64Map<u64>* st = stream(stream_id(ps, hm, rank));
-            if (st) {
-                const u64* cur = st->find(ek);
-                if (cur && *cur == rk) {
-                    st->erase(ek);
-                    unref_engine(ek, hm);
-                }
-            }
+            Stream* st = stream(stream_id(ps, hm, rank));
+            if (st && s_erase_if(*st, ek, rk)) unref_engine(ek, hm);
             erase_holder(bi, h);
         }
         return true;
@@ -1471,18 +1721,14 @@ class IndexCore {
         Block& b = blocks_[bi];
         u64 rk = b.rk;
         std::vector<uint16_t> seen;
-        for (const Holder& h : b.hs) {
+        for (size_t k = 0; k < b.hs.size(); ++k) {
+            Holder h = b.hs[k];
             if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) {
                 seen.push_back(h.pod);
                 --pod_blocks_[h.pod];
             }
-            if (U64Map<u64>* st = stream(stream_id(h.pod, h.model, h.rank))) {
-                const u64* cur = st->find(h.ek);
-                if (cur && *cur == rk) {
-                    st->erase(h.ek);
-                    unref_engine(h.ek, h.model);
-                }
-            }
+            if (Stream* st = stream(stream_id(h.pod, h.model, hrank(h))))
+                if (s_erase_if(*st, h.ek, rk)) unref_engine(h.ek, h.model);
         }
         free_block(bi);
         ++c_evictions_;
@@ -1500,15 +1746,65 @@ class IndexCore {
             if (!pod_names_[p].empty()) maybe_release(p);
     }
 
+    // Interned tier masks and DP ranks of the holders (append-only; id -> value).
+    static constexpr uint16_t NO_RID = 0xFFFF;
+    std::vector<u64> mask_vals_{0};
+    std::unordered_map<u64, uint16_t> mask_ids_{{0, 0}};
+    uint16_t bit_ids_[64] = {};  // mask id of each one-bit mask (0: not interned yet)
+    std::vector<int32_t> rank_vals_;
+    std::unordered_map<int32_t, uint16_t> rank_ids_;
+    int32_t last_rank_ = 0;
+    uint16_t last_rid_ = NO_RID;
+
+    u64 hmask(const Holder& h) const { return mask_vals_[h.mk & MK_ID]; }
+    int32_t hrank(const Holder& h) const { return rank_vals_[h.rid]; }
+    void set_hmask(Holder& h, u64 m) { h.mk = (uint16_t)((h.mk & ~MK_ID) | mask_id(m)); }
+
+    uint16_t mask_id(u64 m) {
+        bool one = m && !(m & (m - 1));
+        if (one && bit_ids_[__builtin_ctzll(m)]) return bit_ids_[__builtin_ctzll(m)];
+        auto it = mask_ids_.find(m);
+        uint16_t id;
+        if (it != mask_ids_.end()) {
+            id = it->second;
+        } else {
+            if (mask_vals_.size() > MK_ID) throw std::length_error("more than 16383 distinct tier masks");
+            id = (uint16_t)mask_vals_.size();
+            mask_vals_.push_back(m);
+            mask_ids_.emplace(m, id);
+        }
+        if (one) bit_ids_[__builtin_ctzll(m)] = id;
+        return id;
+    }
+
+    uint16_t rank_find(int32_t r) {
+        if (r == last_rank_ && last_rid_ != NO_RID) return last_rid_;
+        auto it = rank_ids_.find(r);
+        if (it == rank_ids_.end()) return NO_RID;
+        last_rank_ = r;
+        last_rid_ = it->second;
+        return it->second;
+    }
+
+    uint16_t rank_id(int32_t r) {
+        uint16_t id = rank_find(r);
+        if (id != NO_RID) return id;
+        if (rank_vals_.size() >= NO_RID) throw std::length_error("more than 65535 distinct DP ranks");
+        id = (uint16_t)rank_vals_.size();
+        rank_vals_.push_back(r);
+        rank_ids_.emplace(r, id);
+        return id;
+    }
+
     std::shared_mutex mu_;
     u64 capacity_;
     bool compat_;
     std::vector<Block> blocks_;
     std::vector<u32> free_;
     u32 lru_head_ = NIL, lru_tail_ = NIL;
-    RkMap rk_map_{&blocks_};
-    std::vector<std::pair<uint16_t, U64Map<EngineRef>>> engines_;  // level 2 per model id, first-use order
-    std::unordered_map<u64, U64Map<u64>> streams_;
+    RkMap rk_map_{RkOf{&blocks_}};
+    std::vector<std::pair<uint16_t, Engine>> engines_;  // level 2 per model id, first-use order
+    std::unordered_map<u64, Stream> streams_;
     std::unordered_map<std::string, uint16_t> pod_by_name_;
     std::vector<std::string> pod_names_;
     std::vector<u64> pod_blocks_;

@@ -320,6 +320,9 @@ def _table(head: str, rows: list[tuple[str, ...]]) -> str:
     return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1] for r in rows])
 
 
+_INF = math.inf
+
+
 def _finite_nonneg(x: float) -> float:
     x = float(x)
     return x if math.isfinite(x) and x > 0.0 else 0.0
@@ -590,18 +593,37 @@ class TTFTPicker:
         for pod in pods:
             ps = pget(pod)
             ld = lget(pod)
+            # the plain comparisons take the common case (finite, in range; NaN fails them) without
+            # a call; anything else goes through the clamping helpers
             if ld is not None:
-                waiting = _finite_nonneg(ld.waiting)
-                in_flight = max(0, int(ld.in_flight))
-                usage = _unit(ld.kv_usage)
-                q = _finite_nonneg(ld.prefill_tokens) if ld.prefill_tokens is not None else waiting * n_prompt
+                waiting = ld.waiting
+                if waiting.__class__ is not float or not 0.0 <= waiting < _INF:
+                    waiting = _finite_nonneg(waiting)
+                in_flight = ld.in_flight
+                if in_flight.__class__ is not int or in_flight < 0:
+                    in_flight = max(0, int(in_flight))
+                usage = ld.kv_usage
+                if usage.__class__ is not float or not 0.0 <= usage <= 1.0:
+                    usage = _unit(usage)
+                q = ld.prefill_tokens
+                if q is None:
+                    q = waiting * n_prompt
+                elif q.__class__ is not float or not 0.0 <= q < _INF:
+                    q = _finite_nonneg(q)
             else:
                 waiting, in_flight, usage, q = 0.0, 0, 0.0, 0.0
             cached = 0.0
             if ps is not None:
-                cov, matched, mb = _unit(ps.coverage), ps.matched_tokens, ps.matched_blocks
+                cov, matched, mb = ps.coverage, ps.matched_tokens, ps.matched_blocks
+                if cov.__class__ is not float or not 0.0 <= cov <= 1.0:
+                    cov = _unit(cov)
                 if mb > 0:
-                    cached = min(_finite_nonneg(ps.weighted_blocks) * (matched / mb), hit_cap)
+                    wb = ps.weighted_blocks
+                    if wb.__class__ is not float or not 0.0 <= wb < _INF:
+                        wb = _finite_nonneg(wb)
+                    cached = wb * (matched / mb)
+                    if cached > hit_cap:
+                        cached = hit_cap
             else:
                 cov, matched = 0.0, 0
             un = n_prompt - cached if n_prompt > cached else 0.0
@@ -612,9 +634,12 @@ class TTFTPicker:
             cost = q + un * (1.0 + kvp * usage) + stall * over
             costed.append((cost, waiting + in_flight, pod, cov, matched, waiting, in_flight, usage, ld is not None,
                            un, q, over))
-        best_cost = min(t[0] for t in costed)
         tie = self.tie_tokens
-        costed.sort(key=lambda t: (best_cost if t[0] - best_cost <= tie else t[0], t[1], t[2]))
+        if tie > 0.0:
+            best_cost = min(t[0] for t in costed)
+            costed.sort(key=lambda t: (best_cost if t[0] - best_cost <= tie else t[0], t[1], t[2]))
+        else:
+            costed.sort()  # (cost, queue, pod, ...): pod ids are unique, so nothing after them is compared
         ranked = tuple(
             PodInputs(pod, -cost, cov, 1.0 - usage, qlen, matched, waiting, in_flight, usage, known,
                       int(round(un)), q, cost, over)

@@ -72,7 +72,7 @@ class PrefixIndex(Protocol):
     def pods(self) -> frozenset[str]: ...
 
 
-class PrefixScore(msgspec.Struct, frozen=True, kw_only=True):
+class PrefixScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Prefix-cache score of one pod for one request.
 
     Fields:

@@ -330,10 +330,10 @@ def test_overflow_resync_error_does_not_kill_the_worker():
         assert not pool.submit(msg("a", 2**64 - 1, batch_payload([]), src))  # dropped: pod a marked for resync
         pool.start()
         try:
-            wait_until(lambda: pool.stats().resyncs >= 1, 5)
+            wait_until(lambda: pool.stats().resyncs >= 1, 30)
             time.sleep(0.2)
             pool.submit(msg("b", 0, batch_payload([GOOD_BLOCK])))
-            assert wait_until(lambda: "b" in index.pods(), 5), "the shard worker died"
+            assert wait_until(lambda: "b" in index.pods(), 30), "the shard worker died"
         finally:
             pool.stop(1.0)
     finally:
@@ -362,7 +362,7 @@ def test_flush_honours_its_timeout_when_a_queue_is_full():
     pool.start()
     try:
         pool.submit(msg("a", 0, batch_payload([GOOD_BLOCK])))
-        assert index.entered.wait(5)
+        assert index.entered.wait(30)
         assert pool.submit(msg("a", 1, batch_payload([])))  # the queue is now full
         result: list[bool] = []
         t = threading.Thread(target=lambda: result.append(pool.flush(0.3)), daemon=True)
@@ -429,9 +429,9 @@ def test_subscriber_start_after_a_failed_start():
             sub.start()
         blocker.close(linger=0)
         fresh = Subscriber(pool, bind=f"tcp://127.0.0.1:{port}")
-        assert wait_until(lambda: _starts(fresh), 5), "port not free again"
+        assert wait_until(lambda: _starts(fresh), 30), "port not free again"
         fresh.stop()
-        assert wait_until(lambda: _starts(sub), 5)  # the address is free again (closing is asynchronous)
+        assert wait_until(lambda: _starts(sub), 30)  # the address is free again (closing is asynchronous)
         sub.stop()
     finally:
         sub.stop()
@@ -675,7 +675,7 @@ def test_queue_overflow_is_counted_not_raised():
     pool.start()
     try:
         pool.submit(msg("a", 0, batch_payload([GOOD_BLOCK])))
-        assert index.entered.wait(5)
+        assert index.entered.wait(30)
         results = [pool.submit(msg("a", i, batch_payload([]))) for i in range(1, 100)]
         assert results.count(True) == 5
         assert pool.stats().dropped_messages == 94
@@ -772,18 +772,18 @@ def test_remove_engine_with_a_full_shard_does_not_stall_other_pods():
         for pod, (s, _) in pubs.items():  # slow joiner
             assert wait_until(lambda: (s.send_multipart([f"kv@{pod}@m".encode(), seq_frame(0),
                                                          batch_payload([cleared_event()])])
-                                       or any(p == pod for p, _, _ in pool.streams())), 10)
+                                       or any(p == pod for p, _, _ in pool.streams())), 30)
         pa = pubs["a"][0]
         pa.send_multipart([b"kv@a@m", seq_frame(1), batch_payload([stored([1], None, toks(1))])])
-        assert index.entered.wait(5)  # the worker holds seq 1 at the gate; seq 2 fills the queue
+        assert index.entered.wait(30)  # the worker holds seq 1 at the gate; seq 2 fills the queue
         for seq in (2, 3):
             pa.send_multipart([b"kv@a@m", seq_frame(seq), batch_payload([stored([seq], None, toks(seq))])])
-        assert wait_until(lambda: pool.stats().queued >= 1, 5)
+        assert wait_until(lambda: pool.stats().queued >= 1, 30)
         sub.remove_engine("a")
         time.sleep(0.3)
         pb = pubs[b_pod][0]
         ok = wait_until(lambda: (pb.send_multipart([f"kv@{b_pod}@m".encode(), seq_frame(1),
-                                                    batch_payload([GOOD_BLOCK])]) or b_pod in index.pods()), 5)
+                                                    batch_payload([GOOD_BLOCK])]) or b_pod in index.pods()), 30)
         assert ok, "the subscriber thread is stuck"
     finally:
         index.gate.set()

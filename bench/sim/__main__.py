@@ -135,9 +135,24 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"sim_seed002{suffix}.md").write_text("\n".join(md) + "\n")
         print("\n".join(md))
     if "3" in sections:
-        res = pd.sweep(new_fraction=pd.FITTED_NEW_FRACTION, contexts=(2000, 12000, 24000)) if args.quick else pd.sweep()
-        (out / f"sim_seed000{suffix}.json").write_text(json.dumps(msgspec.to_builtins(res), indent=1))
+        if args.quick:
+            res = pd.sweep(new_fraction=pd.FITTED_NEW_FRACTION, contexts=(2000, 12000, 24000))
+            fits: list[pd.CrossFit] = []
+        else:  # the seed's published conversations; the fitted share, honestly: fit one model, predict the other
+            res = pd.sweep(structure=pd.SEED_TURNS)
+            fits = pd.cross_fit()
+        doc = {"sweep": msgspec.to_builtins(res), "cross_fit": msgspec.to_builtins(fits)}
+        (out / f"sim_seed000{suffix}.json").write_text(json.dumps(doc, indent=1))
         text = pd.table(res)
+        if fits:
+            text += "\n\nShare of new tokens per turn fitted on one model's on points, the other's predicted:\n\n"
+            text += "| fitted on | share | own errors | predicted | prediction errors |\n|---|---|---|---|---|\n"
+            text += "\n".join(
+                f"| {c.fitted_on} | {c.new_fraction:.1%} | "
+                + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(c.own_error.items()))
+                + f" | {c.predicted} | "
+                + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(c.predicted_error.items())) + " |"
+                for c in fits)
         (out / f"sim_seed000{suffix}.md").write_text(f"# Seed 000 in the simulator ({stamp['date']})\n\n{text}\n")
         if not args.no_plot:
             pd.plot(res, out / f"sim_seed000{suffix}.png")

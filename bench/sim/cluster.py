@@ -167,7 +167,7 @@ def run(
     read the index (random, load, approximate) run without the event stream."""
     opt = options or RunOptions()
     bs = opt.block_size
-    sched = make_scheduler(scheduler, seed, bs) if isinstance(scheduler, str) else scheduler
+    sched = make_scheduler(scheduler, seed, bs, workload.approximate) if isinstance(scheduler, str) else scheduler
     reqs = build_requests(workload, seed, bs)
     if requests_out is not None:
         requests_out.extend(reqs)

@@ -32,15 +32,14 @@ Cost model (seconds; tokens; KV of ``kv_bytes_per_token`` bytes a token):
   0.32 NixlConnector counts D's local hits first; D keeps the previous turn).
 
 Calibration: c0 and alpha are fitted exactly on the seed's off curve (P
-without prefix cache, no bidirectional transfer) for each model.  The turn
-structure is not published; conversations here add a fixed share ``f`` of
-each turn's context as new tokens (the previous prompt and D's answer are the
-rest).  ``f`` is the one number fitted on on-curves: by default the least
-worst relative error over the on points of both published models
-(Qwen3-32B, and GLM-5-FP8: off 500 -> 2,334 ms, on 358 -> 702 ms from 2k to
-20k), 0.233 (:data:`FITTED_NEW_FRACTION`); fitted on GLM-5-FP8 alone it is
-0.209, and the Qwen3-32B on curve is then a prediction from the other model
-(+9.9 % at 2k, -15.6 % at 24k).
+without prefix cache, no bidirectional transfer) for each model.  Turns: the
+seed's published conversations (:data:`SEED_TURNS`: 500 shared + the
+point's own prefix tokens, 5 user turns of 150 tokens, answers of 300; a
+point's TTFT is the mean over the turns), with nothing fitted on an on curve;
+or, as before, a fixed share ``f`` of each turn's context as new tokens,
+fitted on on-curves (:func:`fit_new_fraction`; :func:`cross_fit` fits it on
+one model and predicts the other; :data:`FITTED_NEW_FRACTION` is the fit on
+both, used by the quick mode and the tests).
 
 Policies: ``off`` (no bidirectional transfer: D answers without params),
 ``on`` (the seed: one P without prefix cache, D's retained KV pulled when
@@ -77,7 +76,10 @@ __all__ = [
     "QWEN3_32B",
     "GLM5_FP8",
     "PUBLISHED",
+    "SEED_TURNS",
+    "TurnStructure",
     "calibrate",
+    "cross_fit",
     "fit_new_fraction",
     "sweep",
     "table",
@@ -108,6 +110,36 @@ QWEN3_32B = SeedCurves("Qwen3-32B", {2000: 0.158, 24000: 0.778}, {2000: 0.122, 2
 GLM5_FP8 = SeedCurves("GLM-5-FP8", {2000: 0.500, 20000: 2.334}, {2000: 0.358, 20000: 0.702},
                       78 * 576 * 1.0, 0.0)
 PUBLISHED = {c.name: c for c in (QWEN3_32B, GLM5_FP8)}
+
+
+class TurnStructure(msgspec.Struct, frozen=True, kw_only=True):
+    """The seed's published conversations (vLLM's multi-turn benchmark as its sweep script sets it).
+
+    A conversation at published point ``x`` starts with ``common_prefix`` tokens
+    shared by every conversation, then ``x`` tokens of its own, then the first
+    user message; each of its ``user_turns`` user messages has ``user_tokens``
+    tokens and each answer ``output_tokens``.  Turn k (1-based) sends
+    common_prefix + x + k x user_tokens + (k - 1) x output_tokens tokens.  The
+    published TTFT at ``x`` is the mean over every turn of the conversations
+    at that point (turn 1 included: nothing is retained yet, so it recomputes
+    in both modes).
+    """
+
+    common_prefix: int = 500
+    user_tokens: int = 150
+    output_tokens: int = 300
+    user_turns: int = 5
+
+    def contexts(self, prefix: int) -> list[int]:
+        """Prompt tokens of each user turn of a conversation with ``prefix`` tokens of its own."""
+        return [self.common_prefix + prefix + k * self.user_tokens + (k - 1) * self.output_tokens
+                for k in range(1, self.user_turns + 1)]
+
+
+#: Seed 000's sweep (vLLM blog 2026-10-12, run_multiturn_sweep.sh): NUM_TURNS 10 (user and assistant
+#: messages: 5 user turns), INPUT_TOKENS 150, OUTPUT_TOKENS 300, prefix_num_tokens = the point;
+#: common_prefix_num_tokens 500 from the benchmark's generate_multi_turn.json, which the sweep keeps.
+SEED_TURNS = TurnStructure()
 
 
 class PDModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -284,16 +316,54 @@ def _conversation(contexts: Sequence[int], output: int, seed: int) -> list[tuple
     return turns
 
 
-def run_policy(model: PDModel, policy: str, contexts: Sequence[int], *, new_fraction: float, output: int,
-               seed: int = 0, block_size: int = 16, threshold: int = 64) -> dict[int, TurnRecord]:
-    """TTFT of the turn at each of ``contexts`` (one conversation per point) under ``policy`` (off, on, ours)."""
+def _structured_conversation(ts: TurnStructure, prefix: int, seed: int,
+                             common: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt, answer) per user turn of one :class:`TurnStructure` conversation."""
+    rng = np.random.default_rng(seed)
+    turns: list[tuple[np.ndarray, np.ndarray]] = []
+    prompt = np.concatenate((common, rng.integers(1, 150_000, size=prefix + ts.user_tokens, dtype=np.int32)))
+    for _ in range(ts.user_turns):
+        if turns:
+            prev, ans = turns[-1]
+            prompt = np.concatenate((prev, ans, rng.integers(1, 150_000, size=ts.user_tokens, dtype=np.int32)))
+        turns.append((prompt, rng.integers(1, 150_000, size=ts.output_tokens, dtype=np.int32)))
+    return turns
+
+
+def _mean_record(point: int, recs: Sequence[TurnRecord]) -> TurnRecord:
+    """One point of a structured sweep: the turns' mean TTFT and token counts (the last turn's action)."""
+    n = len(recs)
+    return TurnRecord(point, recs[-1].action, recs[-1].prefill_pod, round(sum(r.local for r in recs) / n),
+                      round(sum(r.pulled for r in recs) / n), round(sum(r.decode_cached for r in recs) / n),
+                      sum(r.ttft for r in recs) / n)
+
+
+def run_policy(model: PDModel, policy: str, contexts: Sequence[int], *, new_fraction: float | None = None,
+               output: int = 200, structure: TurnStructure | None = None, seed: int = 0, block_size: int = 16,
+               threshold: int = 64) -> dict[int, TurnRecord]:
+    """TTFT at each point of ``contexts`` under ``policy`` (off, on, ours), one conversation per point.
+
+    With ``structure``: the point is the conversation's own prefix and its
+    record the mean over the conversation's turns (the seed's measure).
+    Otherwise (``new_fraction`` given): the point is the last turn's context,
+    each turn bringing ``new_fraction`` of its context as new tokens, and the
+    record is that last turn's."""
     if policy not in ("off", "on", "ours"):
         raise ValueError(f"unknown policy {policy!r}")
+    if (structure is None) == (new_fraction is None):
+        raise ValueError("give exactly one of structure and new_fraction")
     sim = PDSim(model, prefill_pods=2 if policy == "ours" else 1, prefix_caching=policy == "ours",
                 bidirectional=policy != "off", block_size=block_size, threshold=threshold)
     out: dict[int, TurnRecord] = {}
+    common = np.random.default_rng(seed + 7).integers(1, 150_000, size=structure.common_prefix if structure else 0,
+                                                      dtype=np.int32)
     try:
         for j, L in enumerate(contexts):
+            if structure is not None:
+                turns = _structured_conversation(structure, L, seed * 1000 + j, common)
+                out[L] = _mean_record(L, [sim.turn(f"c{j}", prompt, ans) for prompt, ans in turns])
+                continue
+            assert new_fraction is not None
             turns = _conversation(conversation_contexts(L, new_fraction, output), output, seed * 1000 + j)
             rec = None
             for prompt, ans in turns:
@@ -305,25 +375,30 @@ def run_policy(model: PDModel, policy: str, contexts: Sequence[int], *, new_frac
     return out
 
 
-def calibrate(curves: SeedCurves, new_fraction: float, output: int, *, block_size: int = 16) -> PDModel:
-    """c0 and alpha through the published off points, with the same turns the simulation runs
-    (off TTFT = c0 + alpha x G + D's pull, G = prefill(L | 0) / alpha)."""
+def calibrate(curves: SeedCurves, new_fraction: float | None = None, output: int = 200, *,
+              structure: TurnStructure | None = None, block_size: int = 16) -> PDModel:
+    """c0 and alpha through the published off points, with the same turns the simulation runs.
+
+    A point's off TTFT is c0 + alpha x G + X (G: prefill work per alpha, X:
+    D's pulls, both averaged like the point): G and X come from two probe runs
+    (alpha 1 and alpha 0; the plans do not depend on the costs), then the two
+    published points give c0 and alpha exactly."""
     probe = PDModel(c0=0.0, alpha=1.0, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
-    recs = run_policy(probe, "off", sorted(curves.off), new_fraction=new_fraction, output=output,
-                      block_size=block_size)
-    rows, ys = [], []
-    for L, t in sorted(curves.off.items()):
-        r = recs[L]
-        g = probe.prefill(L - r.local - r.pulled, r.local + r.pulled)
-        rows.append([1.0, g])
-        ys.append(t - probe.xfer(r.pulled) - probe.xfer(L - r.decode_cached))
+    kw = dict(new_fraction=new_fraction, output=output, structure=structure, block_size=block_size)
+    pts = sorted(curves.off)
+    one = run_policy(probe, "off", pts, **kw)
+    zero = run_policy(msgspec.structs.replace(probe, alpha=0.0), "off", pts, **kw)
+    rows = [[1.0, one[L].ttft - zero[L].ttft] for L in pts]
+    ys = [curves.off[L] - zero[L].ttft for L in pts]
     c0, alpha = np.linalg.solve(np.array(rows), np.array(ys))
     return msgspec.structs.replace(probe, c0=float(c0), alpha=float(alpha))
 
 
-def _on_errors(curves: SeedCurves, new_fraction: float, output: int, block_size: int) -> tuple[PDModel, dict[int, float]]:
-    m = calibrate(curves, new_fraction, output, block_size=block_size)
-    recs = run_policy(m, "on", sorted(curves.on), new_fraction=new_fraction, output=output, block_size=block_size)
+def _on_errors(curves: SeedCurves, new_fraction: float | None, output: int, block_size: int,
+               structure: TurnStructure | None = None) -> tuple[PDModel, dict[int, float]]:
+    m = calibrate(curves, new_fraction, output, structure=structure, block_size=block_size)
+    recs = run_policy(m, "on", sorted(curves.on), new_fraction=new_fraction, output=output, structure=structure,
+                      block_size=block_size)
     return m, {L: recs[L].ttft / t - 1.0 for L, t in curves.on.items()}
 
 
@@ -345,6 +420,26 @@ def fit_new_fraction(curves: Sequence[SeedCurves] = (GLM5_FP8,), output: int = 2
     return round((lo + hi) / 2, 3)
 
 
+class CrossFit(msgspec.Struct, frozen=True):
+    """The new share fitted on one model's on points and the other's on curve predicted with it."""
+
+    fitted_on: str
+    new_fraction: float
+    own_error: dict[int, float]
+    predicted: str
+    predicted_error: dict[int, float]
+
+
+def cross_fit(output: int = 200, block_size: int = 16) -> list[CrossFit]:
+    """Both directions: fit the share on Qwen3-32B and predict GLM-5-FP8, and the reverse."""
+    out = []
+    for fit, other in ((QWEN3_32B, GLM5_FP8), (GLM5_FP8, QWEN3_32B)):
+        f = fit_new_fraction((fit,), output, block_size)
+        out.append(CrossFit(fit.name, f, _on_errors(fit, f, output, block_size)[1], other.name,
+                            _on_errors(other, f, output, block_size)[1]))
+    return out
+
+
 class PDPoint(msgspec.Struct, frozen=True):
     """One context length: TTFT (s) under each policy, and the turn's decisions."""
 
@@ -361,13 +456,17 @@ class PDResult(msgspec.Struct, frozen=True):
     """A sweep: the calibrated models, the turn structure, the points and the errors at the published points.
 
     model: Qwen3-32B's; glm_model / glm_on_error: GLM-5-FP8's calibration and
-    on-curve errors with the same turn structure; fit_on: the curves the new
-    share was fitted on (empty when it was given)."""
+    on-curve errors with the same turn structure.  structure: the seed's
+    published conversations (points are a conversation's own prefix, TTFT the
+    mean over its turns), or None: then each turn brings ``new_fraction`` of
+    its context as new tokens with ``output``-token answers, points are the
+    last turn's context, and fit_on names the curves the share was fitted on
+    (empty when it was given)."""
 
     model: PDModel
     glm_model: PDModel
     fit_on: list[str]
-    new_fraction: float
+    new_fraction: float | None
     output: int
     block_size: int
     threshold: int
@@ -377,53 +476,70 @@ class PDResult(msgspec.Struct, frozen=True):
     published_on: dict[int, float]
     on_error: dict[int, float]
     glm_on_error: dict[int, float]
+    structure: TurnStructure | None = None
 
 
 #: The new share per turn fitted on both models' on points (``fit_new_fraction((GLM5_FP8, QWEN3_32B))``,
-#: output 200, block size 16); used by ``--quick`` and the tests.  Fitted on GLM-5-FP8 alone: 0.209.
+#: output 200, block size 16); used by ``--quick`` and the tests.  Fitted on GLM-5-FP8 alone: 0.209;
+#: on Qwen3-32B alone: 0.241.
 FITTED_NEW_FRACTION = 0.233
 
 
 def sweep(*, output: int = 200, block_size: int = 16, threshold: int = 64, new_fraction: float | None = None,
-          fit_curves: Sequence[SeedCurves] = (GLM5_FP8, QWEN3_32B),
+          structure: TurnStructure | None = None, fit_curves: Sequence[SeedCurves] = (GLM5_FP8, QWEN3_32B),
           contexts: Sequence[int] = tuple(range(2000, 24001, 2000))) -> PDResult:
-    """Fit the turn structure (unless ``new_fraction`` is given), calibrate Qwen3-32B on its off
-    curve, predict its on curve, and run the three policies over ``contexts``."""
-    f = fit_new_fraction(fit_curves, output, block_size) if new_fraction is None else new_fraction
-    glm_model, glm_err = _on_errors(GLM5_FP8, f, output, block_size)
-    m = calibrate(QWEN3_32B, f, output, block_size=block_size)
-    kw = dict(new_fraction=f, output=output, block_size=block_size, threshold=threshold)
+    """Calibrate Qwen3-32B on its off curve, predict its on curve, and run the three policies over
+    ``contexts``.  Turns: the seed's published ``structure`` if given (nothing fitted on an on
+    curve), else a share ``new_fraction`` of new tokens per turn, fitted on ``fit_curves``' on
+    points when not given."""
+    if structure is not None:
+        f = None
+        kw: dict = dict(structure=structure, block_size=block_size)
+    else:
+        f = fit_new_fraction(fit_curves, output, block_size) if new_fraction is None else new_fraction
+        kw = dict(new_fraction=f, output=output, block_size=block_size)
+    glm_model, glm_err = _on_errors(GLM5_FP8, f, output, block_size, structure)
+    m = calibrate(QWEN3_32B, f, output, structure=structure, block_size=block_size)
     xs = sorted(set(contexts) | set(QWEN3_32B.on) | set(QWEN3_32B.off))
-    off = run_policy(m, "off", xs, **kw)
-    on = run_policy(m, "on", xs, **kw)
+    off = run_policy(m, "off", xs, **kw, threshold=threshold)
+    on = run_policy(m, "on", xs, **kw, threshold=threshold)
     # ours configures engines and planner with connector.advisor's threshold for this model and link
     adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
                  TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
     ours_threshold = adv.recommended_threshold if adv.recommended_threshold is not None else threshold
-    ours = run_policy(m, "ours", xs, **dict(kw, threshold=ours_threshold))
+    ours = run_policy(m, "ours", xs, **kw, threshold=ours_threshold)
     points = [PDPoint(L, off[L].ttft, on[L].ttft, ours[L].ttft, on[L].pulled, ours[L].local, ours[L].pulled)
               for L in xs]
     err = {L: on[L].ttft / t - 1.0 for L, t in QWEN3_32B.on.items()}
-    fit_on = [c.name for c in fit_curves] if new_fraction is None else []
+    fit_on = [c.name for c in fit_curves] if structure is None and new_fraction is None else []
     return PDResult(m, glm_model, fit_on, f, output, block_size, threshold, ours_threshold, points,
-                    dict(QWEN3_32B.off), dict(QWEN3_32B.on), err, glm_err)
+                    dict(QWEN3_32B.off), dict(QWEN3_32B.on), err, glm_err, structure)
 
 
 def table(res: PDResult) -> str:
     """Markdown: the calibration, then one row per context."""
     m, g = res.model, res.glm_model
-    fitted = f"fitted on the on points of {' and '.join(res.fit_on)}" if res.fit_on else "given"
+    if res.structure is not None:
+        t = res.structure
+        head = (f"Turns as the seed published them: {t.common_prefix} shared + the point's own prefix, "
+                f"{t.user_turns} user turns of {t.user_tokens} tokens, answers of {t.output_tokens}; a point's "
+                "TTFT is the mean over its turns (nothing fitted on an on curve). GLM-5-FP8 with it: on-curve "
+                "errors ")
+        what, unit = "prefix", "mean pulled"
+    else:
+        fitted = f"fitted on the on points of {' and '.join(res.fit_on)}" if res.fit_on else "given"
+        head = (f"Turn structure: each turn brings {res.new_fraction:.1%} of its context as new tokens, D answers "
+                f"{res.output} ({fitted}). GLM-5-FP8 with it: on-curve errors ")
+        what, unit = "context", "pulled"
     lines = [
-        f"Turn structure: each turn brings {res.new_fraction:.1%} of its context as new tokens, D answers "
-        f"{res.output} ({fitted}). GLM-5-FP8 with it: on-curve errors "
-        + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(res.glm_on_error.items()))
+        head + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(res.glm_on_error.items()))
         + f" (its off fit: c0 = {g.c0 * 1e3:.0f} ms, alpha = {g.alpha * 1e6:.1f} us/token, k = 0).",
         f"Qwen3-32B calibration on its off curve: c0 = {m.c0 * 1e3:.1f} ms, alpha = {m.alpha * 1e6:.2f} us/token, "
         f"k = {m.k:.2e}; NIXL READ = {m.latency * 1e6:.0f} us + 256 KiB/token at {m.bandwidth / 1e9:.1f} GB/s; "
         f"block size {res.block_size}, kv_recompute_threshold {res.threshold} (ours: {res.ours_threshold}, "
         "from connector.advisor for this prefill cost and link).",
         "",
-        "| context | off ms | on ms (model) | published on ms | error | on: pulled | ours ms | ours: local / pulled | ours / on |",
+        f"| {what} | off ms | on ms (model) | published on ms | error | on: {unit} | ours ms | ours: local / pulled | ours / on |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in res.points:
@@ -451,7 +567,8 @@ def plot(res: PDResult, path) -> None:
                color="C0", label="seed off")
     ax.scatter(list(res.published_on), [v * 1e3 for v in res.published_on.values()], marker="x", s=80,
                color="C1", label="seed on")
-    ax.set_xlabel("context tokens of the turn")
+    ax.set_xlabel("conversation prefix tokens (mean over its turns)" if res.structure is not None
+                  else "context tokens of the turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Seed 000: Qwen3-32B, 1 D")
     ax.grid(True, alpha=0.3)

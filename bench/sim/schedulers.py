@@ -8,11 +8,11 @@ prefix scorer (:func:`scorer.prefix.score_prefix` / ``Indexer.score``).
 
 * ``random``: uniform draw.
 * ``load``: llm-d's load-only profile: 2 x kv-usage score + 2 x queue score.
-* ``approximate``: llm-d's estimated prefix-cache scorer: a routing-history
-  index (the blocks of every prompt routed to a pod, LRU per pod, capacity
-  31,250 blocks of 16 tokens as llm-d's default ``lruCapacityPerServer``,
-  at most 256 blocks matched), score = matched / request blocks; 3:2:2 with
-  kv-usage and queue.  It never learns of evictions.
+* ``approximate``: llm-d's estimated prefix-cache scorer as seed 002 ran it: a
+  routing-history index (the hashed blocks of every prompt routed to a pod,
+  recorded at dispatch, LRU per pod), score = matched / chain length, with
+  the published weights (73 %: 1 : 1 : 1 with kv-usage and queue); it never
+  learns of evictions.  See :class:`ApproximateScheduler`.
 * ``precise``: llm-d-precise-equivalent: the index's longest prefix per pod,
   min-max normalised over the pods with a hit (pods without one score 0; all
   hit pods tie at 1 when equal), 3 x prefix + 2 x (1 - kv usage) + 2 x queue
@@ -31,7 +31,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from bench.sim.engine import SimRequest
+from bench.sim.engine import SimRequest, chain_hashes
+from bench.sim.workload import ApproxConfig
 from indexer import Indexer
 from scorer.load import LoadSnapshot
 from scorer.picker import RandomPicker
@@ -131,42 +132,86 @@ class PreciseScheduler(Scheduler):
 
 
 class ApproximateScheduler(Scheduler):
-    """llm-d's estimated prefix-cache scorer on routing history (see the module doc)."""
+    """llm-d's estimated prefix-cache scorer on routing history, as its seed-002 run used it.
+
+    What the scorer does (the gateway-api-inference-extension ``prefix-cache-scorer``
+    of 2025, which llm-d's "estimated" / "approximate" scheduling configures):
+
+    * it hashes the prompt *text* in blocks of ``hashBlockSize`` characters
+      (64), a chain whose first entry is the model name, keeping at most
+      ``maxPrefixBlocksToMatch`` (256) blocks: the first 16,384 characters;
+    * a pod's score is the number of leading chain entries some pod holds in the
+      history that this pod also holds, divided by the chain's length (model
+      entry included), so every pod that ever served the model scores at least
+      1 / 257;
+    * the chosen pod's chain is added to that pod's history when the request is
+      dispatched (``PreRequest``), not after it completes, and the history is an
+      LRU of ``lruCapacityPerServer`` (31,250) entries per pod that never hears
+      of the engine's evictions;
+    * weights and settings as seed 002 published them per workload
+      (:class:`bench.sim.workload.ApproxConfig`): 73 %: prefix 1 : kv-usage 1 :
+      queue 1; 37 %: 256-character blocks, 2,200 entries, prefix 2 : kv-usage 1
+      : active-request 1; max score wins with random ties.
+
+    The simulator has token ids, not text: a character block is modelled as
+    ``ApproxConfig.block_tokens`` tokens (64 characters / 4 per token = 16, the
+    scorer's own sizing comment), so the 73 % window is 4,096 tokens.
+    ``weights`` (prefix, kv, load) overrides the configuration's.
+    """
 
     name = "approximate"
 
-    def __init__(self, seed: int, block_size: int = 64, lru_tokens: int = 31_250 * 16, max_blocks: int = 256) -> None:
+    def __init__(self, seed: int, config: ApproxConfig | None = None, *,
+                 weights: tuple[float, float, float] | None = None, name: str | None = None) -> None:
         super().__init__(seed)
-        self.capacity = max(1, lru_tokens // block_size)
-        self.max_blocks = max_blocks
+        cfg = config or ApproxConfig()
+        self.tokens_per_block = cfg.block_tokens
+        self.capacity = cfg.lru_entries
+        self.max_blocks = cfg.max_blocks
+        self.weights = weights or cfg.weights
+        if cfg.load_scorer not in ("queue", "active-request"):
+            raise ValueError(f"unknown load scorer {cfg.load_scorer!r}")
+        self.load_scorer = cfg.load_scorer
+        if name:
+            self.name = name
         self.history: dict[str, OrderedDict[int, None]] = {}
+        self._chains: dict[int, list[int]] = {}
+
+    def _chain(self, req: SimRequest) -> list[int]:
+        key = id(req.prompt)
+        chain = self._chains.get(key)
+        if chain is None:
+            window = req.prompt[: self.tokens_per_block * self.max_blocks]
+            # entry 0 stands for the model name (one model here); block hashes chain on it
+            chain = [0, *chain_hashes(window, self.tokens_per_block, parent=0x6D6F64656C)]
+            self._chains[key] = chain
+        return chain
 
     def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
-        keys = view.ix.request_keys(req.prompt)[: self.max_blocks].tolist()
-        n = max(1, len(keys))
-        bs = view.ix.token_processor.block_size
-        pref = {}
-        matched = {}
-        for p in view.pods:
-            h = self.history.get(p)
-            m = 0
-            if h is not None:
-                for k in keys:
-                    if k not in h:
-                        break
-                    m += 1
-            matched[p] = m
-            pref[p] = m / n
+        chain = self._chain(req)
+        matched = dict.fromkeys(view.pods, 0)
+        for h in chain:
+            holders = [p for p in view.pods if h in self.history.get(p, ())]
+            if not holders:
+                break
+            for p in holders:
+                matched[p] += 1
+        n = len(chain)
+        wp, wk, wq = self.weights
         kv, q = _llmd_load_terms(view)
-        pod = _argmax_random({p: 3 * pref[p] + 2 * kv[p] + 2 * q[p] for p in view.pods}, self.rng)
-        req.meta = (req.meta, keys)
-        return pod, len(req.prompt) - matched[pod] * bs
+        if self.load_scorer == "active-request":  # the router's in-flight count, (max - n) / max
+            top = max(view.loads[p].in_flight for p in view.pods)
+            q = {p: 1.0 if top == 0 else (top - view.loads[p].in_flight) / top for p in view.pods}
+        pod = _argmax_random({p: wp * matched[p] / n + wk * kv[p] + wq * q[p] for p in view.pods}, self.rng)
+        req.meta = (req.meta, chain)
+        predicted = max(0, matched[pod] - 1) * self.tokens_per_block
+        return pod, len(req.prompt) - predicted
 
     def routed(self, req: SimRequest, pod: str, view: View) -> None:
-        stage, keys = req.meta
+        stage, chain = req.meta
         req.meta = stage
         h = self.history.setdefault(pod, OrderedDict())
-        for k in keys:
+        for k in chain:
             h[k] = None
             h.move_to_end(k)
         while len(h) > self.capacity:
@@ -234,14 +279,18 @@ class IndexerScheduler(Scheduler):
 SCHEDULERS = ("random", "load", "approximate", "precise", "dynamo", "kvindex-weighted", "kvindex")
 
 
-def make_scheduler(name: str, seed: int, block_size: int) -> Scheduler:
-    """A scheduler by name (one of :data:`SCHEDULERS`, or ``kvindex-ttft``)."""
+def make_scheduler(name: str, seed: int, block_size: int, approx: ApproxConfig | None = None) -> Scheduler:
+    """A scheduler by name (one of :data:`SCHEDULERS`, ``kvindex-<picker>``, or
+    ``approximate-322``: the approximate scheduler with precise's 3:2:2 weights);
+    ``approx``: the workload's approximate-scheduler settings."""
     if name == "random":
         return RandomScheduler(seed)
     if name == "load":
         return LoadScheduler(seed)
     if name == "approximate":
-        return ApproximateScheduler(seed, block_size=block_size)
+        return ApproximateScheduler(seed, approx)
+    if name == "approximate-322":
+        return ApproximateScheduler(seed, approx, weights=(3.0, 2.0, 2.0), name=name)
     if name == "precise":
         return PreciseScheduler(seed)
     if name == "dynamo":

@@ -13,7 +13,28 @@ import numpy as np
 
 from bench.sim.engine import SimRequest, chain_hashes
 
-__all__ = ["Workload", "SEED002_73", "SEED002_37", "build_requests", "quick"]
+__all__ = ["ApproxConfig", "Workload", "SEED002_73", "SEED002_37", "build_requests", "quick"]
+
+
+class ApproxConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The settings seed 002 gave llm-d's approximate ("estimated") prefix-cache scheduler.
+
+    block_tokens: tokens per hashed block (the scorer hashes ``hashBlockSize``
+    characters of prompt text; at 4 characters per token, the scorer's own
+    sizing assumption, 64 characters = 16 tokens); lru_entries: the per-pod
+    history (``lruCapacityPerServer``, entries); max_blocks:
+    ``maxPrefixBlocksToMatch``; weights: (prefix, kv usage, load) scorer
+    weights; load_scorer: "queue" (min-max of the engines' waiting queues) or
+    "active-request" (the router's own in-flight count, (max - n) / max).
+    Defaults: the published 73-capacity configuration (64 characters, 31,250
+    entries, 256 blocks, 1 : 1 : 1 with the queue scorer).
+    """
+
+    block_tokens: int = 16
+    lru_entries: int = 31_250
+    max_blocks: int = 256
+    weights: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    load_scorer: str = "queue"
 
 
 class Workload(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,6 +44,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     users_per_customer users; shared_tokens of context per customer,
     question_tokens per user, output_tokens per request.  ``resident_fraction``
     is (every customer's context + every user's question) / fleet KV.
+    ``approximate``: how seed 002 configured the approximate scheduler for it.
     """
 
     name: str
@@ -36,6 +58,7 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
     qps_stages: tuple[float, ...] = (3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0)
     stage_seconds: float = 10.0
     vocab: int = 150_000
+    approximate: ApproxConfig = ApproxConfig()
 
     @property
     def resident_fraction(self) -> float:
@@ -48,13 +71,19 @@ class Workload(msgspec.Struct, frozen=True, kw_only=True):
 SEED002_73 = Workload(name="seed002-73", pods=8, capacity_tokens=307_328, customers=150, users_per_customer=5,
                       shared_tokens=6_000, question_tokens=1_200, output_tokens=1_000)
 #: 4 pods of 461,376 KV tokens, 83 customers x 3 users, 8,000 + 1,000 tokens in, 1,000 out.
+#: Its approximate scheduler as published: 256-character blocks, 2,200 entries per pod, prefix 2 : kv 1 :
+#: active-request 1.
 SEED002_37 = Workload(name="seed002-37", pods=4, capacity_tokens=461_376, customers=83, users_per_customer=3,
-                      shared_tokens=8_000, question_tokens=1_000, output_tokens=1_000)
+                      shared_tokens=8_000, question_tokens=1_000, output_tokens=1_000,
+                      approximate=ApproxConfig(block_tokens=64, lru_entries=2_200, weights=(2.0, 1.0, 1.0),
+                                               load_scorer="active-request"))
 
 
 def quick(w: Workload) -> Workload:
     """A scaled-down copy for tests (seconds to simulate): every token count a
-    quarter (same resident fraction), the same users, a shorter load ramp."""
+    quarter (same resident fraction; the approximate scheduler's hashed block
+    too, so its window and history cover the same share of a prompt), the same
+    users, a shorter load ramp."""
     return msgspec.structs.replace(
         w,
         name=w.name + "-quick",
@@ -62,6 +91,7 @@ def quick(w: Workload) -> Workload:
         shared_tokens=w.shared_tokens // 4,
         question_tokens=w.question_tokens // 4,
         output_tokens=w.output_tokens // 4,
+        approximate=msgspec.structs.replace(w.approximate, block_tokens=max(1, w.approximate.block_tokens // 4)),
         qps_stages=tuple(q * 4 for q in w.qps_stages[::3]),
         stage_seconds=4.0,
     )
