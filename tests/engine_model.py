@@ -247,10 +247,12 @@ class ReplayServer:
     """
 
     def __init__(
-        self, engines: list[ModelEngine], context: zmq.Context | None = None, sndhwm: int | None = None
+        self, engines: list[ModelEngine], context: zmq.Context | None = None, sndhwm: int | None = None,
+        sndbuf: int | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sndhwm = sndhwm  # the ROUTER's send high-water mark (None: ZMQ's default, 1000, as vLLM's)
+        self._sndbuf = sndbuf  # the kernel's send buffer of each socket in bytes (None: the system's)
         self._socks: dict[zmq.Socket, ModelEngine] = {}
         self._eps: dict[int, str] = {}
         self._paused: set[int] = set()  # id() of engines whose requests go unanswered
@@ -266,6 +268,8 @@ class ReplayServer:
         s.setsockopt(zmq.LINGER, 0)
         if self._sndhwm is not None:
             s.setsockopt(zmq.SNDHWM, self._sndhwm)
+        if self._sndbuf is not None:
+            s.setsockopt(zmq.SNDBUF, self._sndbuf)
         s.bind("tcp://127.0.0.1:*")
         self._socks[s] = e
         self._eps[id(e)] = s.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -101,7 +101,8 @@ def publisher_burst(n: int, *, queue_size: int = 64, block_size: int = 4, seed: 
         pub.close(linger=0)
 
 
-def replay_burst(n: int, *, block_size: int = 128, sndhwm: int | None = None, hole_retries: int | None = None,
+def replay_burst(n: int, *, block_size: int = 128, sndhwm: int | None = None, sndbuf: int | None = None,
+                 hole_retries: int | None = None,
                  seed: int = 4, replay_timeout: float = 1.0, timeout: float = 60.0,
                  backend: str = "native") -> Outcome:
     """The engine buffered ``n`` batches before the router starts; its start-up replay overflows the sockets.
@@ -117,7 +118,7 @@ def replay_burst(n: int, *, block_size: int = 128, sndhwm: int | None = None, ho
     e.clear_p = 0.0
     for _ in range(n):
         e.publish(e.random_events(rnd, 2))
-    server = ReplayServer([e], sndhwm=sndhwm)
+    server = ReplayServer([e], sndhwm=sndhwm, sndbuf=sndbuf)
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)

@@ -19,9 +19,10 @@ def test_publisher_faster_than_the_pool_drops_counts_resyncs_and_converges() -> 
 
 
 def test_replay_burst_beyond_the_high_water_marks_is_asked_again_until_equal() -> None:
-    # the engine's ROUTER queues at most 100 replies (ZMQ's default is 1000, as in vLLM; 100 makes the
-    # overflow certain with 2,000 buffered batches of 128-token blocks on any machine)
-    out = replay_burst(2000, sndhwm=100, replay_timeout=3.0)
+    # the engine's ROUTER queues at most 100 replies (ZMQ's default is 1000, as in vLLM) over an 8 KiB
+    # kernel send buffer: with 4,000 buffered batches of 128-token blocks the replies outrun the
+    # router's receive queue (1,000) on any machine, loaded or not
+    out = replay_burst(4000, sndhwm=100, sndbuf=8192, replay_timeout=3.0)
     st = out.stats
     assert st.replay_holes >= 1, "no replay had a hole: the burst did not overflow"
     assert st.gaps_unrecovered == 0 and st.restarts == 0
@@ -29,11 +30,14 @@ def test_replay_burst_beyond_the_high_water_marks_is_asked_again_until_equal() -
     assert out.complete and out.extra == 0 and out.missing == 0
 
 
-def test_replay_burst_without_asking_again_loses_blocks() -> None:
-    """The same burst with the hole taken as lost (the behaviour before): the index diverges.
+def test_replay_burst_without_asking_again_is_left_incomplete() -> None:
+    """The same burst with the hole taken as lost (the behaviour before): the stream cannot converge.
 
-    The hole holds stores and evictions alike, so the index misses blocks and may
-    also keep blocks whose removal was lost (which batches fall in it is timing)."""
-    out = replay_burst(2000, sndhwm=100, replay_timeout=2.0, hole_retries=0)
+    Which batches fall in the hole is timing, and their stores and evictions may happen to cancel
+    out in the final state, so the index may or may not differ from the engine's blocks at the end
+    (bench/overload.py counts how often it does).  What must hold is that the library knows: the
+    gap is counted as unrecovered and the stream stays incomplete, so a router does not trust it."""
+    out = replay_burst(4000, sndhwm=100, sndbuf=8192, replay_timeout=2.0, hole_retries=0)
     assert out.stats.replay_holes == 0 and out.stats.gaps_unrecovered >= 1
-    assert not out.complete and out.missing + out.extra > 0
+    assert not out.complete
+    assert out.converge_seconds is None
