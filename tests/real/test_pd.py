@@ -40,7 +40,8 @@ from examples.vllm_fleet.pd import PDFleet
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 BLOCK = 32
-D_TTL = 40  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left)
+D_TTL = 90  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left); turn 1 + the wait for its
+# events take 10-40 s on a loaded 2-core machine, and an entry that expires first makes turn 2 recompute
 TOLERANCE = 0.02  # logprob: bf16 pull vs recompute differed by <= 0.004 here (FACTS)
 FIRST_ANSWER = 70  # tokens generated in turn 1: 300 % 32 + 70 - 1 = 81 >= the engines' threshold of 64 to pull
 
@@ -237,7 +238,7 @@ def test_b_guard_keeps_answers_right_when_history_is_edited(
     assert on["diff"] <= TOLERANCE, (on["t2"].top_logprobs, on["ref"])
     # unguarded: P loads KV for tokens the client did not send
     reused_off = off["t2"].p_external + off["t2"].p_local_hit
-    assert off["plan"].action == "pull"
+    assert off["plan"].action == "pull", off["plan"].explain()
     assert reused_off > off["common"], (reused_off, off["common"])
     with capsys.disabled():
         print(
