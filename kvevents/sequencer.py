@@ -63,9 +63,13 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   new process does not (it is then cleared and rebuilt from seq 0 of the
   new process).  Without a replay endpoint, or when the check fails, the
   backward message is held as a candidate and the restart is confirmed only
-  when the stream's next message continues it (candidate seq + 1); a message
-  that continues our own sequence instead discards the candidate.  So one
-  hostile or corrupt message (e.g. seq 2**64 - 2) can never clear a pod.
+  when the stream's next message continues it (candidate seq + 1); with an
+  endpoint the stream is then rebuilt from the engine's buffer from seq 0 (the
+  candidate may be an older process's first batch whose successor's was
+  lost).  A message that continues our own sequence instead discards the
+  candidate; another message with the candidate's seq and a different engine
+  timestamp replaces it (a still newer process).  So one hostile or corrupt
+  message (e.g. seq 2**64 - 2) can never clear a pod.
 - A message with the next seq but an engine timestamp older than the last
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
@@ -335,6 +339,16 @@ class Sequencer:
             kind, cb = cand
             if b.seq == cb.seq + 1:
                 self._candidate = None
+                if kind == "back" and self.has_replay:
+                    # the endpoint could not be asked when the candidate came; it is the authority:
+                    # rebuild from the new process's buffer (the candidate itself may be a still
+                    # older process's first batch when this one's was lost)
+                    out.append(Count("restarts"))
+                    self._clear(out, f"restart: seq {cb.seq}, {b.seq} after {self.last}")
+                    self.lost = True
+                    self._set_complete(out, "restart")
+                    self._pending = b
+                    return self._start_replay(out, "restart", 0)
                 if kind == "back":
                     out.append(Count("restarts"))
                     self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
@@ -351,11 +365,15 @@ class Sequencer:
                 self._apply(out, b)
                 self._set_complete(out, "restart" if kind == "back" else "unrecovered gap")
                 return out
+            if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
+                out.append(Count("duplicates"))
+                return out  # the same message again
             if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
-                self._candidate = None  # our sequence continues: the candidate was not the engine's
+                # our sequence continues (the candidate was not the engine's), or another message
+                # with the candidate's seq: a still newer process starting over, judged below as a
+                # backward message of its own
+                self._candidate = None
                 out.append(Count("unconfirmed"))
-                if b.seq == cb.seq:
-                    return out  # the same message again
         if self._retry is not None and (
             self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
                 self._check_due or self._resync_due or self.last_ts is not None and b.ts < self.last_ts

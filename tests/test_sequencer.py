@@ -241,3 +241,41 @@ def test_a_failed_reconnect_check_is_retried_and_nothing_applies_before_it() -> 
     out = s.replayed(b(2, ts=899.0))  # not our batch 2: a new process
     assert counts(out)["restarts"] == 1
     assert s.replay_end(True)[-1] == Replay(0)
+
+
+# ---------------------------------------------------------------- unnoticed restarts while the endpoint is down
+
+
+def test_restarts_in_a_row_while_the_endpoint_is_down_rebuild_from_the_newest_process() -> None:
+    """Three processes start (seq 0 each) while the replay endpoint does not answer.
+
+    The first one's seq 0 is held as a candidate (the check could not be
+    asked); the second one's seq 0 has the same seq but another engine time:
+    not the same message, so it replaces the candidate; the third process's
+    seq 0 likewise, and its seq 1 confirms the restart, which then rebuilds
+    from the engine's buffer instead of trusting the messages (one of them
+    may be an older process's).  Found by the engine-model test.
+    """
+    s = started(1)
+    for gen in (1, 2, 3):
+        out = s.live(b(0, ts=1000.0 * gen))
+        assert out[-1] == Confirm(0), out
+        out = s.confirmed(None)  # the endpoint does not answer
+        assert applied(out) == [] and s.last == 0
+    out = s.live(b(1, ts=3000.5))  # the newest process's next batch
+    assert counts(out).get("restarts") == 1 and applied(out) == []
+    assert out[-1] == Replay(0) and not s.complete
+    s.replayed(b(0, ts=3000.0))
+    s.replayed(b(1, ts=3000.5))
+    out = s.replay_end(True)
+    assert s.complete and s.last == 1 and s.last_ts == 3000.5
+    assert counts(out).get("duplicates") == 1  # the pending message was replayed already
+
+
+def test_a_duplicate_of_the_candidate_keeps_it() -> None:
+    s = started(3)
+    s.live(b(0, ts=900.0))
+    s.confirmed(None)
+    assert counts(s.live(b(0, ts=900.0))) == {"duplicates": 1}
+    out = s.live(b(1, ts=900.5))
+    assert counts(out).get("restarts") == 1 and out[-1] == Replay(0)
