@@ -355,8 +355,36 @@ def print_memory(mem: dict, entries: int) -> None:
     print(f"memory per (block, pod), {entries:,} entries, 8 pods, RSS delta: {', '.join(parts)}{ratio}; floor 8 B")
 
 
+def score_section(args: argparse.Namespace) -> int:
+    """The score targets alone: 8,192 and 131,072 tokens at 8 and 64 pods, then score p99 under ingest."""
+    print(f"score() vs Dynamo, {args.entries:,} entries, interleaved, {args.reps} reps; ratio = ours / Dynamo")
+    print(f"  {'case':<30} {'ours med':>10} {'ours p99':>10} {'ours min':>10} {'dyn med':>10} {'dyn p99':>10} "
+          f"{'dyn min':>10} {'med x':>6} {'min x':>6}")
+    out: dict = {}
+    for pods in (8, 64):
+        fleet = Fleet(pods)
+        fleet.fill(args.entries)
+        fleet.sync()
+        for tokens in (8192, 131072):
+            r = read_case(fleet, tokens, args.reps if tokens <= 32768 else max(5, args.reps // 5))
+            out[f"{tokens}/{pods}"] = r
+            for name, key in ((f"score() {tokens:>6} tok, {pods} pods", "ours_score_list"),
+                              ("  numpy in", "ours_score_numpy"), ("  prefix_match only", "ours_prefix_match")):
+                o, d = r[key], r["dynamo"]
+                print(f"  {name:<30} {o['median_us']:>10.0f} {o['p99_us']:>10.0f} {o['min_us']:>10.0f} "
+                      f"{d['median_us']:>10.0f} {d['p99_us']:>10.0f} {d['min_us']:>10.0f} "
+                      f"{o['median_us'] / d['median_us']:>6.2f} {o['min_us'] / d['min_us']:>6.2f}", flush=True)
+        del fleet
+    under = bench_under_ingest(args.reps * 2)
+    print(f"score() p99 while the pool ingests: {under['busy_p99_us']:.0f} us vs idle {under['idle_p99_us']:.0f} us "
+          f"({under['busy_p99_us'] / under['idle_p99_us']:.2f}x; {under['busy_samples']} samples)")
+    return 0
+
+
 def run_section(args: argparse.Namespace) -> int:
     """One section alone (``--only``): its result line, no JSON file, no plots."""
+    if args.only == "score":
+        return score_section(args)
     if args.only == "memory":
         kinds = [k for k in args.memory_kinds.split(",") if k]
         print_memory(bench_memory(args.memory_entries, 8, kinds), args.memory_entries)
@@ -371,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size for the read path")
     ap.add_argument("--memory-entries", type=int, default=2_000_000)
-    ap.add_argument("--only", choices=["memory", "ingest"], help="run one section and print its line")
+    ap.add_argument("--only", choices=["memory", "ingest", "score"],
+                    help="run one section and print its line(s); score: the issue's score targets")
     ap.add_argument("--memory-kinds", default="native,dynamo,python",
                     help="comma-separated backends of the memory section (native, dynamo, python)")
     args = ap.parse_args(argv)
