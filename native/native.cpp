@@ -1335,21 +1335,7 @@ class IndexCore {
             // in that order, the same float operations as scorer.prefix.prefix_scores_from_matches
             std::vector<std::vector<std::pair<u64, size_t>>> runs(cand_slot.size());
             std::vector<u32> path;
-            walk(keys, n, cand_slot, [&](size_t c, size_t, u64 m) {
-                ++cnt[c];
-                uni[c] |= m;
-                auto& r = runs[c];
-                if (!r.empty() && r.back().first == m) {
-                    ++r.back().second;
-                    return;
-                }
-                for (auto& e : r)
-                    if (e.first == m) {
-                        ++e.second;
-                        return;
-                    }
-                r.emplace_back(m, 1);
-            }, touch ? &path : nullptr);
+            summary_walk(keys, n, cand_slot, cnt, uni, runs, touch ? &path : nullptr);
             for (size_t c = 0; c < cand_slot.size(); ++c) {
                 if (!cnt[c]) continue;
                 longest = std::max(longest, cnt[c]);
@@ -1498,6 +1484,110 @@ class IndexCore {
                 if (path && !live.empty()) path->push_back(bis[j]);
             }
         }
+    }
+
+    // The walk of summary_locked: per candidate, blocks matched (cnt), OR of the masks (uni) and
+    // the (mask, blocks) runs in first-seen order, as walk() with an emit that counts them, but
+    // with flat per-candidate state: a block's holders stamp the candidates they belong to, the
+    // live list is compacted only when fewer candidates than live ones hold the block, and a
+    // candidate's run grows by one while its mask repeats (the usual case).
+    void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
+                      std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
+                      std::vector<u32>* path) {
+        size_t nc = cand_slot.size();
+        if (nc == 0) return;
+        std::vector<int> of_slot(pod_names_.size(), -1);
+        for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
+        std::vector<size_t> stamp(nc, ~size_t(0)), runn(nc, 0);
+        std::vector<u64> cur(nc, 0), runm(nc, 0);
+        std::vector<size_t> live(nc);
+        for (size_t c = 0; c < nc; ++c) live[c] = c;
+        auto flush = [&](size_t c) {
+            if (!runn[c]) return;
+            cnt[c] += runn[c];
+            uni[c] |= runm[c];
+            for (auto& e : runs[c])
+                if (e.first == runm[c]) {
+                    e.second += runn[c];
+                    return;
+                }
+            runs[c].emplace_back(runm[c], runn[c]);
+        };
+        const u64* mv = mask_vals_.data();
+        constexpr size_t GROUP = 16;
+        u32 bis[GROUP];
+        size_t group = 4;
+        bool done = false;
+        for (size_t g0 = 0; g0 < n && !done; g0 += group, group = std::min(GROUP, group * 2)) {
+            size_t m = std::min(group, n - g0);
+            const u64* gk = keys + g0;
+            for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
+            for (size_t j = 0; j < m; ++j) {
+                u32 h = rk_map_.home(gk[j]);
+                if (h != NIL) __builtin_prefetch(&blocks_[h]);
+            }
+            for (size_t j = 0; j < m; ++j) {
+                const u32* bi = rk_map_.find_ptr(gk[j]);
+                bis[j] = bi ? *bi : NIL;
+                if (bi) {
+                    const Block& b = blocks_[*bi];
+                    const char* heap = static_cast<const char*>(b.hs.heap());
+                    if (heap) {
+                        size_t bytes = b.hs.size() * sizeof(Holder);
+                        for (size_t off = 0; off < bytes && off < 1024; off += 64) __builtin_prefetch(heap + off);
+                    }
+                }
+            }
+            for (size_t j = 0; j < m; ++j) {
+                size_t i = g0 + j;
+                if (bis[j] == NIL) {
+                    done = true;
+                    break;
+                }
+                size_t hits = 0;
+                for (const Holder& h : blocks_[bis[j]].hs) {
+                    int c = of_slot[h.pod];
+                    if (c < 0) continue;
+                    u64 hm = mv[h.mk & MK_ID];
+                    if (!hm) continue;
+                    if (stamp[(size_t)c] != i) {
+                        stamp[(size_t)c] = i;
+                        cur[(size_t)c] = hm;
+                        ++hits;
+                    } else {
+                        cur[(size_t)c] |= hm;
+                    }
+                }
+                if (hits != live.size()) {
+                    for (size_t k = 0; k < live.size();) {
+                        size_t c = live[k];
+                        if (stamp[c] == i) {
+                            ++k;
+                        } else {
+                            of_slot[cand_slot[c]] = -1;
+                            live[k] = live.back();
+                            live.pop_back();
+                        }
+                    }
+                    if (live.empty()) {
+                        done = true;
+                        break;
+                    }
+                }
+                for (size_t c : live) {
+                    u64 cm = cur[c];
+                    if (cm == runm[c]) {
+                        ++runn[c];
+                    } else {
+                        flush(c);
+                        runm[c] = cm;
+                        runn[c] = 1;
+                    }
+                }
+                if (path) path->push_back(bis[j]);
+            }
+        }
+        for (size_t c = 0; c < nc; ++c) flush(c);
     }
 
     static double mask_weight(u64 m, const std::vector<double>& w) {
