@@ -394,7 +394,7 @@ class NativeKVBlockIndex(SideTables):
                 if self._spec_by_pod or self._held:
                     return _summarise(self.prefix_match(keys, pods), w)
                 res = self._core.prefix_summary(keys, cands, w, True)
-        return {pod: (n, w, u) for pod, n, w, u in res[0]}
+        return res[0]
 
     def match_tokens(
         self,
@@ -437,8 +437,7 @@ class NativeKVBlockIndex(SideTables):
         if res is None:  # a writer is half-way through an event: wait for it
             with self._lock:
                 res = core.match_tokens(state, tokens, K, A, cands, w, True)
-        keys, rows, _longest = res
-        return _u64(keys), {pod: (n, w, u) for pod, n, w, u in rows}
+        return _u64(res[0]), res[1]
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
         """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""

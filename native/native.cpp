@@ -241,6 +241,7 @@ void to_u64(nb::handle obj, U64View& out, const char* what) {
     out.owned.resize((size_t)n);
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* it = items[i];
+        if (i + 16 < n) __builtin_prefetch(items[i + 16]);  // the int objects are scattered in the heap
         // fast path: an exact int of one digit (token ids, small keys): read it without a call
         if (Py_IS_TYPE(it, &PyLong_Type)) {
             long long small;
@@ -957,17 +958,20 @@ class IndexCore {
         return out;
     }
 
-    using Summary = std::vector<std::tuple<std::string, size_t, double, u64>>;
+    // (index of the pod in the candidate names, matched blocks, weighted blocks, OR of the masks)
+    using Summary = std::vector<std::tuple<size_t, size_t, double, u64>>;
 
-    // Per candidate pod with a match: (pod, matched blocks, sum over the matched blocks of the
-    // block's weight, OR of the masks).  weights[b] is the weight of tier bit b; a block weighs
-    // its best tier.  Refreshes recency like prefix_match.  Returns (rows, longest match), or
-    // None when `guard` and a writer is inside a multi-call event.
+    // Per candidate pod with a match: {pod: (matched blocks, sum over the matched blocks of the
+    // block's weight, OR of the masks)}.  weights[b] is the weight of tier bit b; a block weighs
+    // its best tier.  Refreshes recency like prefix_match.  Returns (that dict, longest match), or
+    // None when `guard` and a writer is inside a multi-call event.  The dict's keys are the
+    // caller's pod objects when `pods` is given.
     nb::object prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch,
                               bool guard) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
-        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<nb::handle> given;
+        std::vector<std::string> names = candidate_names(pods_o, &given);
         Summary res;
         size_t longest;
         {
@@ -975,7 +979,17 @@ class IndexCore {
             longest = summary_locked(keys.data, keys.n, names, weights, touch, guard, res);
         }
         if (longest == BUSY) return nb::none();
-        return nb::cast(std::make_pair(std::move(res), longest));
+        return nb::make_tuple(summary_dict(res, names, given), longest);
+    }
+
+    nb::dict summary_dict(const Summary& res, const std::vector<std::string>& names,
+                          const std::vector<nb::handle>& given) {
+        nb::dict out;
+        for (const auto& [c, n, w, u] : res) {
+            nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
+            out[key] = nb::make_tuple(n, w, u);
+        }
+        return out;
     }
 
     // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call:
@@ -988,7 +1002,8 @@ class IndexCore {
         to_u64(K_o, K, "K");
         size_t bs = K.n;
         if (bs == 0) throw nb::value_error("empty K");
-        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<nb::handle> given;
+        std::vector<std::string> names = candidate_names(pods_o, &given);
         std::vector<u64> keys(toks.n / bs);
         Summary res;
         size_t longest;
@@ -998,7 +1013,7 @@ class IndexCore {
             longest = summary_locked(keys.data(), keys.size(), names, weights, touch, guard, res);
         }
         if (longest == BUSY) return nb::none();
-        return nb::cast(std::make_tuple(new_u64_array(std::move(keys)), std::move(res), longest));
+        return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest);
     }
 
     // Writers of one event in several calls mark them (see Locking); nested marks count.
@@ -1328,7 +1343,8 @@ class IndexCore {
             if (guard && multi_) return BUSY;
             std::vector<int> cand_slot;
             std::vector<std::string> cnames;
-            slots_of(names, cand_slot, cnames);
+            std::vector<size_t> cidx;
+            slots_of(names, cand_slot, cnames, &cidx);
             std::vector<size_t> cnt(cand_slot.size(), 0);
             std::vector<u64> uni(cand_slot.size(), 0);
             // per candidate: (mask, blocks) in first-seen order; weighted = sum of weight(mask) * blocks
@@ -1341,7 +1357,7 @@ class IndexCore {
                 longest = std::max(longest, cnt[c]);
                 double w = 0.0;
                 for (auto& e : runs[c]) w += mask_weight(e.first, weights) * (double)e.second;
-                res.emplace_back(cnames[c], cnt[c], w, uni[c]);
+                res.emplace_back(cidx[c], cnt[c], w, uni[c]);
             }
             if (touch) flush = log_touches(path);
         }
@@ -1402,7 +1418,9 @@ class IndexCore {
         lru_push(i);
     }
 
-    std::vector<std::string> candidate_names(nb::handle pods_o) {
+    // The candidates' names (None: every pod holding blocks); `given` (if asked) receives the
+    // caller's objects, borrowed from `pods_o` (which the caller keeps alive).
+    std::vector<std::string> candidate_names(nb::handle pods_o, std::vector<nb::handle>* given = nullptr) {
         std::vector<std::string> names;
         if (pods_o.is_none()) {
             std::shared_lock lk(mu_);
@@ -1410,18 +1428,29 @@ class IndexCore {
                 if (pod_blocks_[s]) names.push_back(pod_names_[s]);
             return names;
         }
+        if (given && (PyList_CheckExact(pods_o.ptr()) || PyTuple_CheckExact(pods_o.ptr()))) {
+            for (nb::handle h : pods_o) {
+                names.push_back(nb::cast<std::string>(h));
+                given->push_back(h);
+            }
+            return names;
+        }
         for (nb::handle h : pods_o) names.push_back(nb::cast<std::string>(h));
         return names;
     }
 
-    // Candidate names -> slots (unknown or empty pods are dropped; duplicates once).
-    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept) {
-        for (const std::string& nm : names) {
+    // Candidate names -> slots (unknown or empty pods are dropped; duplicates once); `idx` (if
+    // given) receives each kept name's position in `names`.
+    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept,
+                  std::vector<size_t>* idx = nullptr) {
+        for (size_t k = 0; k < names.size(); ++k) {
+            const std::string& nm = names[k];
             auto it = pod_by_name_.find(nm);
             if (it == pod_by_name_.end() || !pod_blocks_[it->second]) continue;
             if (std::find(slots.begin(), slots.end(), (int)it->second) != slots.end()) continue;
             slots.push_back(it->second);
             kept.push_back(nm);
+            if (idx) idx->push_back(k);
         }
     }
 
