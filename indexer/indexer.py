@@ -165,6 +165,8 @@ class Indexer:
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
+        # the compiled index's match_tokens also answers best_dp_rank for most pods (dp_ranks=)
+        self._match_ranks = bool(getattr(type(self.index), "match_tokens_dp_ranks", False))
         self.metrics = KVIndexMetrics(self)
 
     # -- lifecycle
@@ -330,9 +332,16 @@ class Indexer:
             if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
                 raise TypeError("pods must be a collection of pod ids (str)")
             candidates = list(dict.fromkeys(pods))
+        ranks: dict[str, int] | None = None
         if match_tokens is not None:
-            # the compiled read path: keys and every candidate's match in one call
-            keys, summary = match_tokens(tokens, candidates, self._bit_weights(), model=mname, lora=lora)
+            # the compiled read path: keys and every candidate's match in one call (and, from the
+            # compiled index, the DP rank of each pod whose match one rank holds)
+            if self._match_ranks:
+                ranks = {}
+                keys, summary = match_tokens(
+                    tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
+            else:
+                keys, summary = match_tokens(tokens, candidates, self._bit_weights(), model=mname, lora=lora)
             prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
                 p: PrefixScore(pod=p) for p in candidates}
         else:
@@ -342,7 +351,9 @@ class Indexer:
             )
         choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
         if choice is not None and prefix[choice.pod].matched_blocks:
-            rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
+            rank = ranks.get(choice.pod) if ranks else None
+            if rank is None:
+                rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
             if rank is not None:
                 choice = msgspec.structs.replace(choice, dp_rank=rank)
         self.metrics.observe_score(

@@ -89,6 +89,8 @@ class NativeKVBlockIndex(SideTables):
     with blocks at once and 2**32 - 2 request keys (capacity is capped there).
     """
 
+    match_tokens_dp_ranks = True  # match_tokens takes dp_ranks= (indexer.Indexer.score asks it)
+
     def __init__(
         self,
         token_processor: TokenProcessor | None = None,
@@ -404,13 +406,17 @@ class NativeKVBlockIndex(SideTables):
         *,
         model: str | None = None,
         lora: str | tuple[str, str] | None = None,
+        dp_ranks: dict[str, int] | None = None,
     ) -> tuple[np.ndarray, dict[str, tuple[int, float, int]]]:
         """The read path in one compiled call: request keys of ``tokens`` and their prefix summary.
 
         Returns (``token_processor.request_keys(tokens, model=, lora=)``,
         :meth:`prefix_summary` of those keys).  Only for ``xxh3_chain`` keys
         without extra keys (others: compute the keys, then :meth:`prefix_summary`).
-        Raises as :meth:`TokenProcessor.request_keys`.
+        ``dp_ranks``, if given, receives pod -> DP rank for the matched pods
+        whose matched blocks one DP rank holds (then that rank is
+        :meth:`best_dp_rank` of the pod's match); ask :meth:`best_dp_rank`
+        for the others.  Raises as :meth:`TokenProcessor.request_keys`.
         """
         tp = self.token_processor
         if self._compat:
@@ -426,17 +432,20 @@ class NativeKVBlockIndex(SideTables):
             return keys, self.prefix_summary(keys, cands, weights)
         w = list(weights)
         core, K, A = self._core, self._K, self._A
+        ranks = dp_ranks is not None
         try:
-            res = core.match_tokens(state, tokens, K, A, cands, w, True, True)
+            res = core.match_tokens(state, tokens, K, A, cands, w, True, True, ranks)
         except (TypeError, ValueError):
             if isinstance(tokens, np.ndarray):
                 raise
             # the reference's checks and errors (it also takes bools and other int-likes)
             tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
-            res = core.match_tokens(state, tokens, K, A, cands, w, True, True)
+            res = core.match_tokens(state, tokens, K, A, cands, w, True, True, ranks)
         if res is None:  # a writer is half-way through an event: wait for it
             with self._lock:
-                res = core.match_tokens(state, tokens, K, A, cands, w, True)
+                res = core.match_tokens(state, tokens, K, A, cands, w, True, False, ranks)
+        if ranks and res[3]:
+            dp_ranks.update(res[3])
         return _u64(res[0]), res[1]
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:

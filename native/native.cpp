@@ -958,16 +958,19 @@ class IndexCore {
         return out;
     }
 
-    // (index of the pod in the candidate names, matched blocks, weighted blocks, OR of the masks)
-    using Summary = std::vector<std::tuple<size_t, size_t, double, u64>>;
+    // (index of the pod in the candidate names, matched blocks, weighted blocks, OR of the masks,
+    // the DP rank of every holder of the pod's matched blocks when they share one, else NO_RANK)
+    using Summary = std::vector<std::tuple<size_t, size_t, double, u64, int64_t>>;
+    static constexpr int64_t NO_RANK = INT64_MIN;
 
     // Per candidate pod with a match: {pod: (matched blocks, sum over the matched blocks of the
     // block's weight, OR of the masks)}.  weights[b] is the weight of tier bit b; a block weighs
     // its best tier.  Refreshes recency like prefix_match.  Returns (that dict, longest match), or
     // None when `guard` and a writer is inside a multi-call event.  The dict's keys are the
-    // caller's pod objects when `pods` is given.
+    // caller's pod objects when `pods` is given.  With `ranks`, also a third element {pod: DP
+    // rank} for the pods whose matched blocks one DP rank holds (best_dp_rank's answer for them).
     nb::object prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch,
-                              bool guard) {
+                              bool guard, bool ranks) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
         std::vector<nb::handle> given;
@@ -979,24 +982,36 @@ class IndexCore {
             longest = summary_locked(keys.data, keys.n, names, weights, touch, guard, res);
         }
         if (longest == BUSY) return nb::none();
+        if (ranks) return nb::make_tuple(summary_dict(res, names, given), longest, rank_dict(res, names, given));
         return nb::make_tuple(summary_dict(res, names, given), longest);
     }
 
     nb::dict summary_dict(const Summary& res, const std::vector<std::string>& names,
                           const std::vector<nb::handle>& given) {
         nb::dict out;
-        for (const auto& [c, n, w, u] : res) {
+        for (const auto& [c, n, w, u, r] : res) {
             nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
             out[key] = nb::make_tuple(n, w, u);
         }
         return out;
     }
 
+    nb::dict rank_dict(const Summary& res, const std::vector<std::string>& names,
+                       const std::vector<nb::handle>& given) {
+        nb::dict out;
+        for (const auto& [c, n, w, u, r] : res) {
+            if (r == NO_RANK) continue;
+            nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
+            out[key] = nb::int_((long long)r);
+        }
+        return out;
+    }
+
     // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call:
-    // (keys as uint64 bytes, rows, longest), or None when `guard` and a writer is inside a
-    // multi-call event.
+    // (keys as uint64 bytes, rows, longest[, ranks]), or None when `guard` and a writer is inside
+    // a multi-call event.
     nb::object match_tokens(u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o,
-                            std::vector<double> weights, bool touch, bool guard) {
+                            std::vector<double> weights, bool touch, bool guard, bool ranks) {
         U64View toks, K;
         to_u64(toks_o, toks, "tokens");
         to_u64(K_o, K, "K");
@@ -1013,6 +1028,9 @@ class IndexCore {
             longest = summary_locked(keys.data(), keys.size(), names, weights, touch, guard, res);
         }
         if (longest == BUSY) return nb::none();
+        if (ranks)
+            return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest,
+                                  rank_dict(res, names, given));
         return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest);
     }
 
@@ -1351,13 +1369,15 @@ class IndexCore {
             // in that order, the same float operations as scorer.prefix.prefix_scores_from_matches
             std::vector<std::vector<std::pair<u64, size_t>>> runs(cand_slot.size());
             std::vector<u32> path;
-            summary_walk(keys, n, cand_slot, cnt, uni, runs, touch ? &path : nullptr);
+            std::vector<uint32_t> rid(cand_slot.size(), RID_NONE);
+            summary_walk(keys, n, cand_slot, cnt, uni, runs, rid, touch ? &path : nullptr);
             for (size_t c = 0; c < cand_slot.size(); ++c) {
                 if (!cnt[c]) continue;
                 longest = std::max(longest, cnt[c]);
                 double w = 0.0;
                 for (auto& e : runs[c]) w += mask_weight(e.first, weights) * (double)e.second;
-                res.emplace_back(cidx[c], cnt[c], w, uni[c]);
+                res.emplace_back(cidx[c], cnt[c], w, uni[c],
+                                 rid[c] < RID_MIXED ? (int64_t)rank_vals_[rid[c]] : NO_RANK);
             }
             if (touch) flush = log_touches(path);
         }
@@ -1519,10 +1539,13 @@ class IndexCore {
     // the (mask, blocks) runs in first-seen order, as walk() with an emit that counts them, but
     // with flat per-candidate state: a block's holders stamp the candidates they belong to, the
     // live list is compacted only when fewer candidates than live ones hold the block, and a
-    // candidate's run grows by one while its mask repeats (the usual case).
+    // candidate's run grows by one while its mask repeats (the usual case).  rid[c]: the interned
+    // DP rank of every holder of c met, RID_MIXED once two differ.
+    static constexpr uint32_t RID_NONE = 0x20000, RID_MIXED = 0x10000;  // rid[c] before a holder, and once two differ
+
     void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
                       std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
-                      std::vector<u32>* path) {
+                      std::vector<uint32_t>& rid, std::vector<u32>* path) {
         size_t nc = cand_slot.size();
         if (nc == 0) return;
         std::vector<int> of_slot(pod_names_.size(), -1);
@@ -1579,6 +1602,8 @@ class IndexCore {
                     if (c < 0) continue;
                     u64 hm = mv[h.mk & MK_ID];
                     if (!hm) continue;
+                    uint32_t& r = rid[(size_t)c];
+                    if (r != h.rid) r = r == RID_NONE ? h.rid : RID_MIXED;
                     if (stamp[(size_t)c] != i) {
                         stamp[(size_t)c] = i;
                         cur[(size_t)c] = hm;
@@ -2103,9 +2128,10 @@ NB_MODULE(_native, m) {
         .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"),
              nb::arg("guard") = false)
         .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),
-             nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false)
+             nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false, nb::arg("ranks") = false)
         .def("match_tokens", &IndexCore::match_tokens, nb::arg("state"), nb::arg("tokens"), nb::arg("K"),
-             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false)
+             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false,
+             nb::arg("ranks") = false)
         .def("begin_multi", &IndexCore::begin_multi)
         .def("end_multi", &IndexCore::end_multi)
         .def("pod_masks", &IndexCore::pod_masks)

@@ -231,8 +231,12 @@ class SameSteps(RuleBasedStateMachine):
         keys = U.request_keys(path)
         want = _summarise(ref.prefix_match(keys, pods), weights)
         if from_tokens:
-            got_keys, got = nat.match_tokens(list(U.paths[path]), pods, weights, model=U.model)
+            ranks: dict = {}
+            got_keys, got = nat.match_tokens(list(U.paths[path]), pods, weights, model=U.model, dp_ranks=ranks)
             assert got_keys.tolist() == keys
+            assert set(ranks) <= set(got)
+            for pod, rank in ranks.items():  # the rank holding the whole match is best_dp_rank's answer
+                assert rank == ref.best_dp_rank(pod, keys[: got[pod][0]]), (pod, ranks)
         else:
             got = nat.prefix_summary(keys, pods, weights)
         assert got == want
