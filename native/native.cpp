@@ -978,7 +978,8 @@ class IndexCore {
         Summary res;
         size_t longest;
         {
-            nb::gil_scoped_release nogil;
+            std::optional<nb::gil_scoped_release> nogil;
+            if (keys.n >= NOGIL_MIN_BLOCKS) nogil.emplace();
             longest = summary_locked(keys.data, keys.n, names, weights, touch, guard, res);
         }
         if (longest == BUSY) return nb::none();
@@ -1023,7 +1024,8 @@ class IndexCore {
         Summary res;
         size_t longest;
         {
-            nb::gil_scoped_release nogil;
+            std::optional<nb::gil_scoped_release> nogil;
+            if (keys.size() >= NOGIL_MIN_BLOCKS) nogil.emplace();
             chain_into(state, toks.data, keys.size(), K.data, bs, A, nullptr, keys.data());
             longest = summary_locked(keys.data(), keys.size(), names, weights, touch, guard, res);
         }
@@ -1350,6 +1352,11 @@ class IndexCore {
   private:
     // ----------------------------------------------------------- helpers
 
+    // Reads of fewer blocks keep the GIL: they take tens of microseconds, and giving the GIL up
+    // costs a busy process more (the reader waits to be woken and scheduled again behind the
+    // threads that took it: milliseconds on a loaded machine).  No thread waits for the GIL
+    // while it holds mu_, so a reader holding the GIL while it waits for mu_ cannot deadlock.
+    static constexpr size_t NOGIL_MIN_BLOCKS = 2048;
     static constexpr size_t BUSY = ~size_t(0);  // summary_locked's answer to a guarded read during a multi-call write
 
     size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
