@@ -227,6 +227,8 @@ class SameSteps(RuleBasedStateMachine):
         """The read path's one-call forms (they refresh recency like prefix_match) against the
         reference's prefix_match, summarised."""
         ref, nat = self.ixs
+        if not hasattr(nat, "match_tokens"):  # the machine also drives other backends (tests/test_redis_index.py)
+            return
         weights = [1.0, 0.75, 0.5, 0.25]
         keys = U.request_keys(path)
         want = _summarise(ref.prefix_match(keys, pods), weights)
