@@ -241,7 +241,6 @@ void to_u64(nb::handle obj, U64View& out, const char* what) {
     out.owned.resize((size_t)n);
     for (Py_ssize_t i = 0; i < n; ++i) {
         PyObject* it = items[i];
-        if (i + 16 < n) __builtin_prefetch(items[i + 16]);  // the int objects are scattered in the heap
         // fast path: an exact int of one digit (token ids, small keys): read it without a call
         if (Py_IS_TYPE(it, &PyLong_Type)) {
             long long small;
