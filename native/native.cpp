@@ -406,8 +406,12 @@ struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
 #pragma pack(pop)
 
 // An open-addressing set of block indices (4 bytes a slot) keyed by a key derived from the block
-// (KeyOf(index) -> u64): linear probing, backward-shift deletion, load <= 3/4.  Level 1 keys blocks
-// by request key; each stream and each model's level 2 key blocks by a holder's engine key.
+// (KeyOf(index) -> u64).  Robin Hood linear probing: within a run the slots are ordered by home slot,
+// so a lookup stops at the first slot whose occupant sits closer to its own home than the key would,
+// and deletion shifts the run back (no tombstones).  The home slot is Lemire's multiply-shift range
+// reduction of fmix64(key) (any table size, not only powers of two); the table grows by 1.25x once
+// it is 7/8 full, so it stays between 70 % and 87.5 % full.  Level 1 keys blocks by request key;
+// each stream and each model's level 2 key blocks by a holder's engine key.
 template <class KeyOf>
 class IdxSet {
   public:
@@ -420,59 +424,55 @@ class IdxSet {
 
     // The index stored under k, or NIL.
     u32 find(u64 k) const {
-        if (size_ == 0) return NIL;
-        size_t i = slot(k);
-        while (slots_[i] != NIL) {
-            if (key_(slots_[i]) == k) return slots_[i];
-            i = (i + 1) & mask_;
-        }
-        return NIL;
+        const u32* p = find_ptr(k);
+        return p ? *p : NIL;
     }
     // A pointer to the slot holding k's index (level 1's interface), or nullptr.
     const u32* find_ptr(u64 k) const {
         if (size_ == 0) return nullptr;
-        size_t i = slot(k);
-        while (slots_[i] != NIL) {
-            if (key_(slots_[i]) == k) return &slots_[i];
-            i = (i + 1) & mask_;
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        for (size_t d = 0;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) return nullptr;
+            u64 ke = key_(e);
+            if (ke == k) return &slots_[i];
+            if (dist(i, home(ke, cap), cap) < d) return nullptr;
+            if (++i == cap) i = 0;
         }
-        return nullptr;
     }
 
     // Adds k -> idx; k must be absent and key(idx) == k once the caller has set the block up.
     void insert(u64 k, u32 idx) {
-        if ((size_ + 1) * 4 > slots_.size() * 3) grow();
-        size_t i = slot(k);
-        while (slots_[i] != NIL) i = (i + 1) & mask_;
-        slots_[i] = idx;
+        if ((size_ + 1) * 8 > slots_.size() * 7) grow();
+        place(k, idx);
         ++size_;
     }
 
     bool erase(u64 k) {
         if (size_ == 0) return false;
-        size_t i = slot(k);
-        while (true) {
-            if (slots_[i] == NIL) return false;
-            if (key_(slots_[i]) == k) break;
-            i = (i + 1) & mask_;
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        for (size_t d = 0;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) return false;
+            u64 ke = key_(e);
+            if (ke == k) break;
+            if (dist(i, home(ke, cap), cap) < d) return false;
+            if (++i == cap) i = 0;
         }
-        size_t j = i;
+        // shift the rest of the run back by one, up to an empty slot or an occupant at its home
         while (true) {
-            j = (j + 1) & mask_;
-            if (slots_[j] == NIL) break;
-            size_t home = slot(key_(slots_[j]));
-            // move j back to i unless its home lies cyclically in (i, j]
-            bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-            if (!stays) {
-                slots_[i] = slots_[j];
-                i = j;
-            }
+            size_t j = i + 1 == cap ? 0 : i + 1;
+            u32 e = slots_[j];
+            if (e == NIL || home(key_(e), cap) == j) break;
+            slots_[i] = e;
+            i = j;
         }
         slots_[i] = NIL;
         --size_;
         if (size_ == 0) {
             std::vector<u32>().swap(slots_);
-            mask_ = 0;
         }
         return true;
     }
@@ -486,18 +486,42 @@ class IdxSet {
     size_t bytes() const { return slots_.capacity() * sizeof(u32); }
 
   private:
-    size_t slot(u64 k) const { return fmix64(k) & mask_; }
+    static size_t home(u64 k, size_t cap) { return (size_t)(((unsigned __int128)fmix64(k) * cap) >> 64); }
+    static size_t dist(size_t i, size_t h, size_t cap) { return i >= h ? i - h : i + cap - h; }
+
+    // Robin Hood insertion of an absent key: at the first occupant closer to its home than k would
+    // be, k takes the slot and the rest of the run moves up by one.
+    void place(u64 k, u32 idx) {
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        for (size_t d = 0;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) {
+                slots_[i] = idx;
+                return;
+            }
+            if (dist(i, home(key_(e), cap), cap) < d) break;
+            if (++i == cap) i = 0;
+        }
+        u32 carry = idx;
+        while (carry != NIL) {
+            std::swap(carry, slots_[i]);
+            if (++i == cap) i = 0;
+        }
+    }
+
     void grow() {
-        size_t ncap = slots_.empty() ? 8 : slots_.size() * 2;
+        size_t ncap = slots_.empty() ? 8 : slots_.size() + slots_.size() / 4;
         std::vector<u32> old;
         old.swap(slots_);
         slots_.assign(ncap, NIL);
-        mask_ = ncap - 1;
-        for (u32 idx : old) {
-            if (idx == NIL) continue;
-            size_t i = slot(key_(idx));
-            while (slots_[i] != NIL) i = (i + 1) & mask_;
-            slots_[i] = idx;
+        // old slots in order: the keys come in about the order of their new homes, so each
+        // placement only probes the slots just filled
+        constexpr size_t AHEAD = 16;
+        for (size_t j = 0; j < old.size(); ++j) {
+            if (j + AHEAD < old.size() && old[j + AHEAD] != NIL) key_.prefetch(old[j + AHEAD]);
+            u32 idx = old[j];
+            if (idx != NIL) place(key_(idx), idx);
         }
         size_t old_bytes = old.capacity() * sizeof(u32);
         std::vector<u32>().swap(old);
@@ -506,7 +530,6 @@ class IdxSet {
     KeyOf key_;
     std::vector<u32> slots_;
     size_t size_ = 0;
-    size_t mask_ = 0;
 };
 
 // Holder::mk flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
@@ -520,6 +543,7 @@ constexpr uint16_t FLAG_L = 0x4000;
 struct RkOf {
     const std::vector<Block>* blocks = nullptr;
     u64 operator()(u32 i) const { return (*blocks)[i].rk; }
+    void prefetch(u32 i) const { __builtin_prefetch(&(*blocks)[i]); }
 };
 
 // The holder of block i carrying a stream's (by_pod: pod, rid, model) or a model's level-2 entry.
@@ -536,6 +560,7 @@ struct HolderKey {
         const Holder* h = holder(i);
         return h ? h->ek : ~0ULL;
     }
+    void prefetch(u32 i) const { __builtin_prefetch(&(*blocks)[i]); }
 };
 
 using RkMap = IdxSet<RkOf>;
