@@ -405,13 +405,29 @@ struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
 };
 #pragma pack(pop)
 
+// A found block index (NIL: none), for `if (bi)` / `*bi`.
+struct Found {
+    u32 v = NIL;
+    explicit operator bool() const { return v != NIL; }
+    u32 operator*() const { return v; }
+};
+
+// Block indices are below 2^27 - 1: a set slot keeps the index in its low 27 bits and the entry's
+// probe distance (capped at 31) in the top 5.
+constexpr u32 IDX_BITS = 27;
+constexpr u32 IDX_MASK = (1u << IDX_BITS) - 1;
+constexpr u32 MAX_BLOCKS = IDX_MASK;  // indices 0 .. MAX_BLOCKS - 1 (slot NIL stays unambiguous)
+constexpr u32 DIST_CAP = 31;
+
 // An open-addressing set of block indices (4 bytes a slot) keyed by a key derived from the block
-// (KeyOf(index) -> u64).  Robin Hood linear probing: within a run the slots are ordered by home slot,
-// so a lookup stops at the first slot whose occupant sits closer to its own home than the key would,
-// and deletion shifts the run back (no tombstones).  The home slot is Lemire's multiply-shift range
-// reduction of fmix64(key) (any table size, not only powers of two); the table grows by 1.25x once
-// it is 7/8 full, so it stays between 70 % and 87.5 % full.  Level 1 keys blocks by request key;
-// each stream and each model's level 2 key blocks by a holder's engine key.
+// (KeyOf(index) -> u64).  Robin Hood linear probing: within a run the entries are ordered by home
+// slot, and each slot also records how far its entry sits from its home (5 bits, exact below 31).
+// A lookup skips the entries whose distance differs from its own without reading their blocks,
+// stops at the first one closer to its home than the key would be, and reads a block only for
+// entries with the key's own home; deletion shifts the run back (no tombstones).  The home slot is
+// Lemire's multiply-shift range reduction of fmix64(key), so the table size is any integer: it
+// grows by 1.25x once 7/8 full and stays between 70 % and 87.5 % full.  Level 1 keys blocks by
+// request key; each stream and each model's level 2 key blocks by a holder's engine key.
 template <class KeyOf>
 class IdxSet {
   public:
@@ -424,23 +440,20 @@ class IdxSet {
 
     // The index stored under k, or NIL.
     u32 find(u64 k) const {
-        const u32* p = find_ptr(k);
-        return p ? *p : NIL;
-    }
-    // A pointer to the slot holding k's index (level 1's interface), or nullptr.
-    const u32* find_ptr(u64 k) const {
-        if (size_ == 0) return nullptr;
+        if (size_ == 0) return NIL;
         size_t cap = slots_.size();
         size_t i = home(k, cap);
         for (size_t d = 0;; ++d) {
             u32 e = slots_[i];
-            if (e == NIL) return nullptr;
-            u64 ke = key_(e);
-            if (ke == k) return &slots_[i];
-            if (dist(i, home(ke, cap), cap) < d) return nullptr;
+            if (e == NIL) return NIL;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) return NIL;
+            if (de == d && key_(e & IDX_MASK) == k) return e & IDX_MASK;
             if (++i == cap) i = 0;
         }
     }
+    Found find_ptr(u64 k) const { return Found{find(k)}; }
 
     // Adds k -> idx; k must be absent and key(idx) == k once the caller has set the block up.
     void insert(u64 k, u32 idx) {
@@ -456,31 +469,32 @@ class IdxSet {
         for (size_t d = 0;; ++d) {
             u32 e = slots_[i];
             if (e == NIL) return false;
-            u64 ke = key_(e);
-            if (ke == k) break;
-            if (dist(i, home(ke, cap), cap) < d) return false;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) return false;
+            if (de == d && key_(e & IDX_MASK) == k) break;
             if (++i == cap) i = 0;
         }
-        // shift the rest of the run back by one, up to an empty slot or an occupant at its home
+        // shift the rest of the run back by one, up to an empty slot or an entry at its home
         while (true) {
             size_t j = i + 1 == cap ? 0 : i + 1;
             u32 e = slots_[j];
-            if (e == NIL || home(key_(e), cap) == j) break;
-            slots_[i] = e;
+            if (e == NIL || (e >> IDX_BITS) == 0) break;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP) de = dist(j, home(key_(e & IDX_MASK), cap), cap);
+            slots_[i] = tag(e & IDX_MASK, de - 1);
             i = j;
         }
         slots_[i] = NIL;
         --size_;
-        if (size_ == 0) {
-            std::vector<u32>().swap(slots_);
-        }
+        if (size_ == 0) std::vector<u32>().swap(slots_);
         return true;
     }
 
     template <class F>
     void for_each(F&& f) const {
-        for (u32 idx : slots_)
-            if (idx != NIL) f(idx);
+        for (u32 e : slots_)
+            if (e != NIL) f(e & IDX_MASK);
     }
 
     size_t bytes() const { return slots_.capacity() * sizeof(u32); }
@@ -488,24 +502,32 @@ class IdxSet {
   private:
     static size_t home(u64 k, size_t cap) { return (size_t)(((unsigned __int128)fmix64(k) * cap) >> 64); }
     static size_t dist(size_t i, size_t h, size_t cap) { return i >= h ? i - h : i + cap - h; }
+    static u32 tag(u32 idx, size_t d) { return idx | ((u32)std::min<size_t>(d, DIST_CAP) << IDX_BITS); }
 
-    // Robin Hood insertion of an absent key: at the first occupant closer to its home than k would
+    // Robin Hood insertion of an absent key: at the first entry closer to its home than k would
     // be, k takes the slot and the rest of the run moves up by one.
     void place(u64 k, u32 idx) {
         size_t cap = slots_.size();
         size_t i = home(k, cap);
-        for (size_t d = 0;; ++d) {
+        size_t d = 0;
+        for (;; ++d) {
             u32 e = slots_[i];
             if (e == NIL) {
-                slots_[i] = idx;
+                slots_[i] = tag(idx, d);
                 return;
             }
-            if (dist(i, home(key_(e), cap), cap) < d) break;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) break;
             if (++i == cap) i = 0;
         }
-        u32 carry = idx;
-        while (carry != NIL) {
-            std::swap(carry, slots_[i]);
+        u32 carry = tag(idx, d);
+        while (true) {
+            u32 e = slots_[i];
+            slots_[i] = carry;
+            if (e == NIL) return;
+            size_t de = e >> IDX_BITS;  // a capped distance stays capped
+            carry = tag(e & IDX_MASK, de + 1);
             if (++i == cap) i = 0;
         }
     }
@@ -519,9 +541,9 @@ class IdxSet {
         // placement only probes the slots just filled
         constexpr size_t AHEAD = 16;
         for (size_t j = 0; j < old.size(); ++j) {
-            if (j + AHEAD < old.size() && old[j + AHEAD] != NIL) key_.prefetch(old[j + AHEAD]);
-            u32 idx = old[j];
-            if (idx != NIL) place(key_(idx), idx);
+            if (j + AHEAD < old.size() && old[j + AHEAD] != NIL) key_.prefetch(old[j + AHEAD] & IDX_MASK);
+            u32 e = old[j];
+            if (e != NIL) place(key_(e & IDX_MASK), e & IDX_MASK);
         }
         size_t old_bytes = old.capacity() * sizeof(u32);
         std::vector<u32>().swap(old);
@@ -721,7 +743,7 @@ class IndexCore {
             uint16_t sm = stream_model(sid);
             for (auto& [ek, rk] : ents) {
                 unref_engine(ek, sm);
-                const u32* bi = rk_map_.find_ptr(rk);
+                Found bi = rk_map_.find_ptr(rk);
                 if (!bi) continue;
                 Block& b = blocks_[*bi];
                 size_t h = find_holder(b, ps, r);
@@ -1012,7 +1034,7 @@ class IndexCore {
                 auto it = pod_by_name_.find(names[c]);
                 if (it == pod_by_name_.end()) continue;
                 for (size_t i = 0; i < keys.n; ++i) {
-                    const u32* bi = rk_map_.find_ptr(keys.data[i]);
+                    Found bi = rk_map_.find_ptr(keys.data[i]);
                     if (!bi) continue;
                     u64 m = 0;
                     for (const Holder& h : blocks_[*bi].hs)
@@ -1034,7 +1056,7 @@ class IndexCore {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
             for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], hmask(h), hrank(h));
         }
@@ -1066,7 +1088,7 @@ class IndexCore {
             }
         }
         if (nranks == 1) {
-            const u32* bi = rk_map_.find_ptr(keys.data[0]);
+            Found bi = rk_map_.find_ptr(keys.data[0]);
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
                     if (h.pod == ps && hrank(h) == only) return only;
@@ -1076,7 +1098,7 @@ class IndexCore {
         bool first = true;
         std::optional<int32_t> best;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             next.clear();
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
@@ -1134,7 +1156,7 @@ class IndexCore {
         std::shared_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return false;
-        const u32* bi = rk_map_.find_ptr(rk);
+        Found bi = rk_map_.find_ptr(rk);
         if (!bi) return false;
         for (const Holder& h : blocks_[*bi].hs)
             if (h.pod == it->second) return true;
@@ -1151,7 +1173,7 @@ class IndexCore {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return out;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
             for (const Holder& h : blocks_[*bi].hs)
                 if (h.pod == it->second) {
@@ -1164,7 +1186,7 @@ class IndexCore {
 
     bool contains(u64 rk) {
         std::shared_lock lk(mu_);
-        return rk_map_.find_ptr(rk) != nullptr;
+        return rk_map_.find(rk) != NIL;
     }
 
     std::vector<u64> pod_keys(const std::string& pod, std::optional<int32_t> rank) {
@@ -1258,7 +1280,7 @@ class IndexCore {
         u32 prev = NIL;
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             if (blocks_[i].prev != prev) throw std::runtime_error("LRU links broken");
-            const u32* bi = rk_map_.find_ptr(blocks_[i].rk);
+            Found bi = rk_map_.find_ptr(blocks_[i].rk);
             if (!bi || *bi != i) throw std::runtime_error("level 1 does not map a listed block");
             if (blocks_[i].hs.empty()) throw std::runtime_error("a block without holders");
             prev = i;
@@ -1383,7 +1405,7 @@ class IndexCore {
         std::vector<size_t> live(nc);
         for (size_t c = 0; c < nc; ++c) live[c] = c;
         for (size_t i = 0; i < n && !live.empty(); ++i) {
-            const u32* bi = rk_map_.find_ptr(keys[i]);
+            Found bi = rk_map_.find_ptr(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
                 int c = of_slot[h.pod];
@@ -1583,7 +1605,7 @@ class IndexCore {
 
     void touch_locked(const u64* keys, size_t n) {
         for (size_t k = 0; k < n; ++k) {
-            const u32* bi = rk_map_.find_ptr(keys[k]);
+            Found bi = rk_map_.find_ptr(keys[k]);
             if (!bi || *bi == lru_tail_) continue;
             u32 i = *bi;
             lru_unlink(i);
@@ -1597,7 +1619,7 @@ class IndexCore {
             i = free_.back();
             free_.pop_back();
         } else {
-            if (blocks_.size() >= NIL - 1) throw std::length_error("index full");
+            if (blocks_.size() >= MAX_BLOCKS) throw std::length_error("index full (134,217,727 blocks)");
             i = (u32)blocks_.size();
             size_t cap = blocks_.capacity();
             blocks_.emplace_back();
@@ -1693,7 +1715,7 @@ class IndexCore {
             if (s_find(*stp, ek, old_rk) && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
         }
         Stream& st = stream_mk(sid);
-        const u32* bip = rk_map_.find_ptr(rk);
+        Found bip = rk_map_.find_ptr(rk);
         u32 bi;
         if (!bip) {
             bi = new_block(rk);
@@ -1725,7 +1747,7 @@ class IndexCore {
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
     bool drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
-        const u32* bip = rk_map_.find_ptr(rk);
+        Found bip = rk_map_.find_ptr(rk);
         if (!bip) return false;
         u32 bi = *bip;
         Block& b = blocks_[bi];
