@@ -283,22 +283,32 @@ void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t
 
 // ---------------------------------------------------------------- the index
 
-// One (pod, DP rank) holding a block: 16 bytes.  The tier mask and the DP rank are interned
-// (IndexCore::mask_vals_, rank_vals_: few distinct values, append-only) and kept as 16-bit ids.
-constexpr uint16_t POD_EMPTY = 0xFFFD;  // pod field of an empty inline holder slot
-constexpr uint16_t POD_SPILL = 0xFFFF;  // pod field marking holders spilled to the heap
-constexpr uint16_t MK_ID = 0x3FFF;      // mask id bits of Holder::mk (the top two are flags)
+// One (pod, DP rank) holding a block: 12 bytes (4-byte aligned).  The holder's model, DP rank
+// and tier mask are interned together as one 16-bit attribute id (IndexCore::attrs_: few
+// distinct combinations, append-only); the pod slot takes 14 bits and two flags the top two.
+constexpr uint16_t POD_BITS = 0x3FFF;   // pod slot bits of Holder::pf
+constexpr uint16_t MAX_PODS = 0x3FFD;   // pod slots 0 .. MAX_PODS - 1
+constexpr uint16_t POD_EMPTY = 0xFFFD;  // pf of an empty inline holder slot (no real holder has it)
+constexpr uint16_t POD_SPILL = 0xFFFF;  // pf marking holders spilled to the heap
+#pragma pack(push, 4)
 struct Holder {
-    u64 ek;          // the engine key this (pod, rank) stored the block under
-    uint16_t pod;    // pod slot
-    uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
-    uint16_t rid;    // interned DP rank
-    uint16_t mk;     // interned tier mask (low 14 bits) and flags
+    u64 ek;       // the engine key this (pod, rank) stored the block under
+    uint16_t pf;  // pod slot (low 14 bits), FLAG_S and FLAG_L (top 2)
+    uint16_t at;  // interned (model of the stream that first stored it, DP rank, tier mask)
+    uint16_t pod() const { return pf & POD_BITS; }
 };
-static_assert(sizeof(Holder) == 16, "Holder is 16 bytes");
+#pragma pack(pop)
+static_assert(sizeof(Holder) == 12, "Holder is 12 bytes");
 
-// The holders of one block in 16 bytes: one holder inline (most blocks have one), or a pointer
-// to a heap array sized to the holders (two or more), marked by pod == POD_SPILL.
+// One interned holder attribute: the model id (the reference keeps the model of the stream that
+// first stored the copy), the interned DP rank and the tier mask.
+struct Attr {
+    u64 mask;
+    uint16_t model, rid;
+};
+
+// The holders of one block in 12 bytes: one holder inline (most blocks have one), or a pointer
+// to a heap array sized to the holders (two or more, at most 65535), marked by pf == POD_SPILL.
 class HolderVec {
   public:
     HolderVec() { set_empty(); }
@@ -318,7 +328,7 @@ class HolderVec {
     }
     ~HolderVec() { release(); }
 
-    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pod == POD_EMPTY ? 0 : 1); }
+    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pf == POD_EMPTY ? 0 : 1); }
     bool empty() const { return size() == 0; }
     size_t heap_bytes() const { return spilled() ? u_.sp.n * sizeof(Holder) : 0; }
     Holder* begin() { return data(); }
@@ -334,13 +344,14 @@ class HolderVec {
             u_.one = h;
             return;
         }
+        if (n >= 0xFFFF) throw std::length_error("more than 65535 holders of one block");
         Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n + 1)));
         std::memcpy(m, data(), sizeof(Holder) * n);
         m[n] = h;
         release();
         u_.sp.many = m;
         u_.sp.tag = POD_SPILL;
-        u_.sp.n = (u32)(n + 1);
+        u_.sp.n = (uint16_t)(n + 1);
     }
 
     // Remove holder i (the others keep their order), shrinking to fit.
@@ -362,7 +373,7 @@ class HolderVec {
         std::memcpy(m + i, d + i + 1, sizeof(Holder) * (n - 1 - i));
         ::operator delete(d);
         u_.sp.many = m;
-        u_.sp.n = (u32)(n - 1);
+        u_.sp.n = (uint16_t)(n - 1);
     }
 
     void clear() {
@@ -374,29 +385,32 @@ class HolderVec {
     bool spilled() const { return u_.sp.tag == POD_SPILL; }
     Holder* data() { return spilled() ? u_.sp.many : &u_.one; }
     const Holder* data() const { return spilled() ? u_.sp.many : &u_.one; }
-    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0, 0, 0}; }
+    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0}; }
     void release() {
         if (spilled()) ::operator delete(u_.sp.many);
     }
+#pragma pack(push, 4)
     union U {
         Holder one;
         struct {
             Holder* many;
-            uint16_t tag;  // overlays Holder::pod
-            uint16_t pad;
-            u32 n;
+            uint16_t tag;  // overlays Holder::pf
+            uint16_t n;
         } sp;
         U() : one() {}
     } u_;
+#pragma pack(pop)
 };
-static_assert(sizeof(HolderVec) == 16, "HolderVec is 16 bytes");
+static_assert(sizeof(HolderVec) == 12, "HolderVec is 12 bytes");
 
-struct Block {  // 32 bytes
+#pragma pack(push, 4)
+struct Block {  // 28 bytes, 4-byte aligned
     u64 rk = 0;
     u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
     HolderVec hs;
 };
-static_assert(sizeof(Block) == 32, "Block is 32 bytes");
+#pragma pack(pop)
+static_assert(sizeof(Block) == 28, "Block is 28 bytes");
 
 #pragma pack(push, 4)
 struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
@@ -554,7 +568,7 @@ class IdxSet {
     size_t size_ = 0;
 };
 
-// Holder::mk flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
+// Holder::pf flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
 // holder.ek -> the block's request key.  FLAG_L: the holder carries its model's level-2 entry
 // holder.ek -> (the block's request key, 1 stream).  Entries that no holder can carry (the
 // engine key or model of the holder differs, more than one stream, a value that outlived its
@@ -571,11 +585,15 @@ struct RkOf {
 // The holder of block i carrying a stream's (by_pod: pod, rid, model) or a model's level-2 entry.
 struct HolderKey {
     const std::vector<Block>* blocks = nullptr;
+    const std::vector<Attr>* attrs = nullptr;
     uint16_t pod = 0, rid = 0, model = 0, flag = 0;
     bool by_pod = false;
     const Holder* holder(u32 i) const {
-        for (const Holder& h : (*blocks)[i].hs)
-            if ((h.mk & flag) && h.model == model && (!by_pod || (h.pod == pod && h.rid == rid))) return &h;
+        for (const Holder& h : (*blocks)[i].hs) {
+            if (!(h.pf & flag) || (by_pod && h.pod() != pod)) continue;
+            const Attr& a = (*attrs)[h.at];
+            if (a.model == model && (!by_pod || a.rid == rid)) return &h;
+        }
         return nullptr;
     }
     u64 operator()(u32 i) const {
@@ -734,7 +752,7 @@ class IndexCore {
                 st.t.for_each([&](u32 bi) {
                     Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
                     ents.emplace_back(h->ek, blocks_[bi].rk);
-                    h->mk &= (uint16_t)~FLAG_S;
+                    h->pf &= (uint16_t)~FLAG_S;
                 });
                 st.x.for_each([&](u64 ek, u64 rk) { ents.emplace_back(ek, rk); });
                 streams_.erase(sid);
@@ -1038,7 +1056,7 @@ class IndexCore {
                     if (!bi) continue;
                     u64 m = 0;
                     for (const Holder& h : blocks_[*bi].hs)
-                        if (h.pod == it->second) m |= hmask(h);
+                        if (h.pod() == it->second) m |= hmask(h);
                     rows[c][i] = m;
                 }
             }
@@ -1058,7 +1076,7 @@ class IndexCore {
         for (size_t i = 0; i < keys.n; ++i) {
             Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
-            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], hmask(h), hrank(h));
+            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod()], hmask(h), hrank(h));
         }
         return out;
     }
@@ -1091,7 +1109,7 @@ class IndexCore {
             Found bi = rk_map_.find_ptr(keys.data[0]);
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && hrank(h) == only) return only;
+                    if (h.pod() == ps && hrank(h) == only) return only;
             return std::nullopt;
         }
         std::vector<int32_t> alive, next;
@@ -1102,7 +1120,7 @@ class IndexCore {
             next.clear();
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
+                    if (h.pod() == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
                         next.push_back(hrank(h));
             first = false;
             alive.swap(next);
@@ -1159,7 +1177,7 @@ class IndexCore {
         Found bi = rk_map_.find_ptr(rk);
         if (!bi) return false;
         for (const Holder& h : blocks_[*bi].hs)
-            if (h.pod == it->second) return true;
+            if (h.pod() == it->second) return true;
         return false;
     }
 
@@ -1176,7 +1194,7 @@ class IndexCore {
             Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
             for (const Holder& h : blocks_[*bi].hs)
-                if (h.pod == it->second) {
+                if (h.pod() == it->second) {
                     out[i] = true;
                     break;
                 }
@@ -1268,7 +1286,7 @@ class IndexCore {
         for (auto& e : engines_) b += e.second.t.bytes() + e.second.x.bytes() + 64;
         for (const Block& blk : blocks_)
             b += blk.hs.heap_bytes();
-        b += mask_vals_.capacity() * sizeof(u64) + rank_vals_.capacity() * sizeof(int32_t);
+        b += attrs_.capacity() * sizeof(Attr) + rank_vals_.capacity() * sizeof(int32_t);
         for (auto& kv : streams_) b += kv.second.t.bytes() + kv.second.x.bytes() + 96;
         return b;
     }
@@ -1292,7 +1310,7 @@ class IndexCore {
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             std::vector<uint16_t> seen;
             for (const Holder& h : blocks_[i].hs)
-                if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) seen.push_back(h.pod);
+                if (std::find(seen.begin(), seen.end(), h.pod()) == seen.end()) seen.push_back(h.pod());
             for (uint16_t p : seen) ++counted[p];
         }
         for (size_t s = 0; s < counted.size(); ++s)
@@ -1308,15 +1326,15 @@ class IndexCore {
         for (auto& e : engines_) check_set(e.second.t);
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next)
             for (const Holder& h : blocks_[i].hs) {
-                if (h.mk & FLAG_S) {
-                    auto it = streams_.find(stream_id(h.pod, h.model, hrank(h)));
+                if (h.pf & FLAG_S) {
+                    auto it = streams_.find(stream_id(h.pod(), hmodel(h), hrank(h)));
                     if (it == streams_.end() || it->second.t.find(h.ek) != i)
                         throw std::runtime_error("a holder's stream entry is missing");
                 }
-                if (h.mk & FLAG_L) {
+                if (h.pf & FLAG_L) {
                     Engine* em = nullptr;
                     for (auto& e : engines_)
-                        if (e.first == h.model) em = &e.second;
+                        if (e.first == hmodel(h)) em = &e.second;
                     if (!em || em->t.find(h.ek) != i) throw std::runtime_error("a holder's level-2 entry is missing");
                 }
             }
@@ -1408,7 +1426,7 @@ class IndexCore {
             Found bi = rk_map_.find_ptr(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
-                int c = of_slot[h.pod];
+                int c = of_slot[h.pod()];
                 if (c >= 0) cur[(size_t)c] |= hmask(h);
             }
             for (size_t k = 0; k < live.size();) {
@@ -1448,7 +1466,7 @@ class IndexCore {
             pod_names_[s] = pod;
             pod_blocks_[s] = 0;
         } else {
-            if (pod_names_.size() >= POD_EMPTY) throw std::length_error("more than 65533 pods hold blocks");
+            if (pod_names_.size() >= MAX_PODS) throw std::length_error("more than 16381 pods hold blocks");
             s = (uint16_t)pod_names_.size();
             pod_names_.push_back(pod);
             pod_blocks_.push_back(0);
@@ -1480,7 +1498,7 @@ class IndexCore {
     Stream& stream_mk(u64 sid) {
         auto [it, ins] = streams_.try_emplace(sid);
         if (ins)
-            it->second.t.key() = HolderKey{&blocks_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
+            it->second.t.key() = HolderKey{&blocks_, &attrs_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
                                            FLAG_S, true};
         return it->second;
     }
@@ -1509,7 +1527,7 @@ class IndexCore {
         if (bi == NIL || blocks_[bi].rk != rk) return false;
         Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
         st.t.erase(ek);  // the holder keeps FLAG_S until its slot is gone (the set reads its key)
-        h->mk &= (uint16_t)~FLAG_S;
+        h->pf &= (uint16_t)~FLAG_S;
         return true;
     }
 
@@ -1550,24 +1568,24 @@ class IndexCore {
     void e_untake(Engine& em, u64 ek, u32 bi) {
         Holder* h = const_cast<Holder*>(em.t.key().holder(bi));
         em.t.erase(ek);
-        h->mk &= (uint16_t)~FLAG_L;
+        h->pf &= (uint16_t)~FLAG_L;
     }
 
     // The entries holder h (of block bi) carries move to the explicit maps, before its engine key
     // changes or it goes: the stream and level-2 contents stay what they were.
     void detach(u32 bi, Holder& h) {
-        if (!(h.mk & (FLAG_S | FLAG_L))) return;
+        if (!(h.pf & (FLAG_S | FLAG_L))) return;
         u64 rk = blocks_[bi].rk;
-        if (h.mk & FLAG_S) {
-            Stream* st = stream(stream_id(h.pod, h.model, hrank(h)));
+        if (h.pf & FLAG_S) {
+            Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h)));
             st->t.erase(h.ek);
-            h.mk &= (uint16_t)~FLAG_S;
+            h.pf &= (uint16_t)~FLAG_S;
             *st->x.emplace(h.ek).first = rk;
         }
-        if (h.mk & FLAG_L) {
-            Engine* em = engine_map(h.model);
+        if (h.pf & FLAG_L) {
+            Engine* em = engine_map(hmodel(h));
             em->t.erase(h.ek);
-            h.mk &= (uint16_t)~FLAG_L;
+            h.pf &= (uint16_t)~FLAG_L;
             EngineRef* e = em->x.emplace(h.ek).first;
             e->rk = rk;
             e->refs = 1;
@@ -1578,13 +1596,13 @@ class IndexCore {
         uint16_t rid = rank_find(rank);
         if (rid == NO_RID) return NIL;
         for (size_t i = 0; i < b.hs.size(); ++i)
-            if (b.hs[i].pod == ps && b.hs[i].rid == rid) return i;
+            if (b.hs[i].pod() == ps && attrs_[b.hs[i].at].rid == rid) return i;
         return NIL;
     }
 
     static bool has_pod(const Block& b, uint16_t ps) {
         for (const Holder& h : b.hs)
-            if (h.pod == ps) return true;
+            if (h.pod() == ps) return true;
         return false;
     }
 
@@ -1643,7 +1661,7 @@ class IndexCore {
     // Remove holder h of block bi; drops the block when no holder is left.
     void erase_holder(u32 bi, size_t h) {
         Block& b = blocks_[bi];
-        uint16_t ps = b.hs[h].pod;
+        uint16_t ps = b.hs[h].pod();
         detach(bi, b.hs[h]);
         b.hs.erase(h);
         if (!has_pod(b, ps)) --pod_blocks_[ps];
@@ -1674,9 +1692,9 @@ class IndexCore {
         bool has = s_find(st, ek, cur);
         if (!has || cur != rk) {
             if (has) s_erase_if(st, ek, cur);
-            if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_S)) {
+            if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_S)) {
                 st.t.insert(ek, bi);
-                hd.mk |= FLAG_S;
+                hd.pf |= FLAG_S;
             } else {
                 *st.x.emplace(ek).first = rk;
             }
@@ -1685,7 +1703,7 @@ class IndexCore {
                 if (!em) {
                     engines_.emplace_back(mid, Engine());
                     em = &engines_.back().second;
-                    em->t.key() = HolderKey{&blocks_, 0, 0, mid, FLAG_L, false};
+                    em->t.key() = HolderKey{&blocks_, &attrs_, 0, 0, mid, FLAG_L, false};
                 }
                 if (EngineRef* v = em->x.find(ek)) {
                     v->rk = rk;
@@ -1695,9 +1713,9 @@ class IndexCore {
                     EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
                     e->refs = 2;
-                } else if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_L) && !em->t.key().holder(bi)) {
+                } else if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_L) && !em->t.key().holder(bi)) {
                     em->t.insert(ek, bi);
-                    hd.mk |= FLAG_L;
+                    hd.pf |= FLAG_L;
                 } else {
                     EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
@@ -1731,7 +1749,7 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            b.hs.push_back(Holder{ek, ps, mid, rank_id(rank), mask_id(bit)});
+            b.hs.push_back(Holder{ek, ps, attr_id(mid, rank_id(rank), bit)});
             h = b.hs.size() - 1;
         } else {
             Holder& hd = b.hs[h];
@@ -1753,9 +1771,11 @@ class IndexCore {
         Block& b = blocks_[bi];
         size_t h = find_holder(b, ps, rank);
         if (h == NIL || !(hmask(b.hs[h]) & bit)) return false;
-        set_hmask(b.hs[h], hmask(b.hs[h]) & ~bit);
-        if (hmask(b.hs[h]) == 0) {
-            uint16_t hm = b.hs[h].model;
+        u64 left = hmask(b.hs[h]) & ~bit;
+        if (left) {
+            set_hmask(b.hs[h], left);
+        } else {
+            uint16_t hm = hmodel(b.hs[h]);
             Stream* st = stream(stream_id(ps, hm, rank));
             if (st && s_erase_if(*st, ek, rk)) unref_engine(ek, hm);
             erase_holder(bi, h);
@@ -1770,12 +1790,12 @@ class IndexCore {
         std::vector<uint16_t> seen;
         for (size_t k = 0; k < b.hs.size(); ++k) {
             Holder h = b.hs[k];
-            if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) {
-                seen.push_back(h.pod);
-                --pod_blocks_[h.pod];
+            if (std::find(seen.begin(), seen.end(), h.pod()) == seen.end()) {
+                seen.push_back(h.pod());
+                --pod_blocks_[h.pod()];
             }
-            if (Stream* st = stream(stream_id(h.pod, h.model, hrank(h))))
-                if (s_erase_if(*st, h.ek, rk)) unref_engine(h.ek, h.model);
+            if (Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h))))
+                if (s_erase_if(*st, h.ek, rk)) unref_engine(h.ek, hmodel(h));
         }
         free_block(bi);
         ++c_evictions_;
@@ -1793,34 +1813,49 @@ class IndexCore {
             if (!pod_names_[p].empty()) maybe_release(p);
     }
 
-    // Interned tier masks and DP ranks of the holders (append-only; id -> value).
+    // Interned DP ranks of the holders (append-only; id -> value).
     static constexpr uint16_t NO_RID = 0xFFFF;
-    std::vector<u64> mask_vals_{0};
-    std::unordered_map<u64, uint16_t> mask_ids_{{0, 0}};
-    uint16_t bit_ids_[64] = {};  // mask id of each one-bit mask (0: not interned yet)
     std::vector<int32_t> rank_vals_;
     std::unordered_map<int32_t, uint16_t> rank_ids_;
     int32_t last_rank_ = 0;
     uint16_t last_rid_ = NO_RID;
 
-    u64 hmask(const Holder& h) const { return mask_vals_[h.mk & MK_ID]; }
-    int32_t hrank(const Holder& h) const { return rank_vals_[h.rid]; }
-    void set_hmask(Holder& h, u64 m) { h.mk = (uint16_t)((h.mk & ~MK_ID) | mask_id(m)); }
+    u64 hmask(const Holder& h) const { return attrs_[h.at].mask; }
+    int32_t hrank(const Holder& h) const { return rank_vals_[attrs_[h.at].rid]; }
+    uint16_t hmodel(const Holder& h) const { return attrs_[h.at].model; }
+    void set_hmask(Holder& h, u64 m) {
+        Attr a = attrs_[h.at];
+        h.at = attr_id(a.model, a.rid, m);
+    }
 
-    uint16_t mask_id(u64 m) {
-        bool one = m && !(m & (m - 1));
-        if (one && bit_ids_[__builtin_ctzll(m)]) return bit_ids_[__builtin_ctzll(m)];
-        auto it = mask_ids_.find(m);
-        uint16_t id;
-        if (it != mask_ids_.end()) {
-            id = it->second;
-        } else {
-            if (mask_vals_.size() > MK_ID) throw std::length_error("more than 16383 distinct tier masks");
-            id = (uint16_t)mask_vals_.size();
-            mask_vals_.push_back(m);
-            mask_ids_.emplace(m, id);
+    // The interned (model, DP rank, tier mask) of the holders (append-only; id -> value).
+    std::vector<Attr> attrs_;
+    std::unordered_map<u64, std::vector<uint16_t>> attr_ids_;  // (model, rid) -> the ids with that pair
+    struct AttrCache {
+        u64 key = ~0ULL, mask = 0;
+        uint16_t id = 0;
+    };
+    AttrCache attr_cache_[16];  // recent lookups, direct-mapped
+
+    uint16_t attr_id(uint16_t model, uint16_t rid, u64 m) {
+        u64 key = ((u64)model << 16) | rid;
+        AttrCache& c = attr_cache_[fmix64(key ^ (m * 0x9E3779B97F4A7C15ULL)) & 15];
+        if (c.key == key && c.mask == m) return c.id;
+        std::vector<uint16_t>& ids = attr_ids_[key];
+        uint16_t id = 0xFFFF;
+        for (uint16_t x : ids)
+            if (attrs_[x].mask == m) {
+                id = x;
+                break;
+            }
+        if (id == 0xFFFF) {
+            if (attrs_.size() >= 0xFFFF)
+                throw std::length_error("more than 65535 distinct (model, DP rank, tier mask) combinations");
+            id = (uint16_t)attrs_.size();
+            attrs_.push_back(Attr{m, model, rid});
+            ids.push_back(id);
         }
-        if (one) bit_ids_[__builtin_ctzll(m)] = id;
+        c = AttrCache{key, m, id};
         return id;
     }
 
