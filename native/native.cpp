@@ -6,17 +6,19 @@
 //  * IndexCore: the data of the two-level KV block index (see kvindex/native.py, the
 //    Python class around it, for the event semantics; they mirror kvindex/index.py).
 //
-// Layout (IndexCore), about 52 bytes per (block, pod) at 10 M entries:
-//  * blocks: a vector of 32-byte Block records (request key, intrusive LRU links as indices, one
-//    16-byte Holder inline or a heap array sized to the holders); freed records are reused
-//    through a free list; holders keep interned ids of their DP rank and tier mask;
-//  * level 1: open-addressing set of block indices (4 bytes a slot) keyed by the block's request key;
+// Layout (IndexCore), about 44 bytes per (block, pod) at 10 M entries, 8 pods:
+//  * blocks: a vector of 28-byte Block records (request key, intrusive LRU links as indices, one
+//    12-byte Holder inline or a heap array sized to the holders); freed records are reused
+//    through a free list; a holder keeps its engine key, a 14-bit pod slot with two flags, and one
+//    interned id of its (model, DP rank, tier mask);
+//  * level 1: a set of block indices (4 bytes a slot: 27-bit index and 5-bit probe distance, Robin
+//    Hood linear probing, 70-87.5 % full) keyed by the block's request key;
 //  * streams: per (pod slot, model, DP rank), engine key -> request key, so that clearing a pod
 //    costs O(that pod's keys);
 //  * level 2: per model, engine key -> (request key, number of streams);
 //    both as sets of block indices keyed by the engine key of the holder that carries the entry
 //    (FLAG_S / FLAG_L in the holder), plus explicit maps for entries no holder can carry;
-//  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
+//  * pods: name <-> 14-bit slot (at most 16,381 pods); a slot is reused once its pod holds nothing.
 //
 // Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
 // readers (prefix match, lookup, best DP rank) hold it shared, so several readers run
