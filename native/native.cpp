@@ -441,8 +441,8 @@ constexpr u32 DIST_CAP = 31;
 // A lookup skips the entries whose distance differs from its own without reading their blocks,
 // stops at the first one closer to its home than the key would be, and reads a block only for
 // entries with the key's own home; deletion shifts the run back (no tombstones).  The home slot is
-// Lemire's multiply-shift range reduction of fmix64(key), so the table size is any integer: it
-// grows by 1.25x once 7/8 full and stays between 70 % and 87.5 % full.  Level 1 keys blocks by
+// Lemire's multiply-shift range reduction of fmix64(key), so the table size is any integer: once
+// 7/8 full it doubles below 2^17 slots, and beyond grows by 1.25x, staying 70-87.5 % full.  Level 1 keys blocks by
 // request key; each stream and each model's level 2 key blocks by a holder's engine key.
 template <class KeyOf>
 class IdxSet {
@@ -549,7 +549,9 @@ class IdxSet {
     }
 
     void grow() {
-        size_t ncap = slots_.empty() ? 8 : slots_.size() + slots_.size() / 4;
+        // small tables double (cheap, few rehashes); from 2^17 slots on they grow by 1.25x
+        size_t cur = slots_.size();
+        size_t ncap = cur == 0 ? 8 : cur < (1u << 17) ? cur * 2 : cur + cur / 4;
         std::vector<u32> old;
         old.swap(slots_);
         slots_.assign(ncap, NIL);
