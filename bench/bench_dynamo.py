@@ -399,8 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size for the read path")
     ap.add_argument("--memory-entries", type=int, default=2_000_000)
-    ap.add_argument("--only", choices=["memory", "ingest", "score"],
-                    help="run one section and print its line(s); score: the issue's score targets")
+    ap.add_argument("--only", choices=["memory", "ingest", "score"], help="run one section and print its line")
     ap.add_argument("--memory-kinds", default="native,dynamo,python",
                     help="comma-separated backends of the memory section (native, dynamo, python)")
     args = ap.parse_args(argv)
