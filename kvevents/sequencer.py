@@ -41,7 +41,7 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
   asked again from the first missing seq once the replay ends (also when
   its tail, end marker included, was lost: a replay that times out after
-  applying batches), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
+  applying batches, a rebuild's included), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
   at the same hole: it is taken as lost as above).
 - A replay that fails (times out, errors) without applying anything is asked
   again (:meth:`~Sequencer.retry`, when the caller's backoff from
@@ -79,6 +79,17 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   been a restarted engine's first batches.  With a replay endpoint the
   stream is resynced at once (replayed from its last batch, which must still
   be the one applied), once per drop notice.
+- A replay asked from our last seq + 1 (a gap, a resync, a retry, the rest of
+  a replay) is asked from our last batch, which the same process still holds
+  with the same timestamp.  When the buffer no longer holds it (its first
+  batch is later), the buffer cannot tell our process from a new one that
+  published past our seq: the stream is cleared and rebuilt from what the
+  buffer holds, incomplete, as for a gap the buffer does not cover.
+- A backward candidate (a possible restart nobody could check) makes the
+  stream incomplete until a message decides it.  A dropped message
+  (:meth:`~Sequencer.dropped`) discards any candidate: the lost message may
+  have come between the candidate and the message that would have
+  confirmed it (a still newer process's first batch).
 - A forward jump is accepted only when the engine's buffer knows the seq: a
   gap replay (asked from our last seq) that ended normally without reaching
   the message's seq means no process published it (it is dropped, counted
@@ -258,7 +269,9 @@ class Sequencer:
     # ------------------------------------------------------------ helpers
 
     def _set_complete(self, out: list[Action], why: str) -> None:
-        c = self.exact and not self.lost and not self.broken
+        # a backward candidate is a possible restart nobody could check yet: the engine may hold
+        # nothing of what we hold, so the stream is not reported complete while it waits
+        c = self.exact and not self.lost and not self.broken and (self._candidate is None or self._candidate[0] != "back")
         if c != self.complete:
             self.complete = c
             out.append(Complete(c, why))
@@ -286,7 +299,7 @@ class Sequencer:
         self._retry = None  # this replay stands for any retry that was due
         self._r_verify = None
         self._r_restart = False
-        if op in ("gap", "resync") and self.last is not None and start == self.last + 1:
+        if self.last is not None and start == self.last + 1:
             # ask from our last batch too: the same process still has it with the same timestamp,
             # so a restart whose new seqs passed ours is caught here
             start = self.last
@@ -465,6 +478,7 @@ class Sequencer:
             out.append(Confirm(self.last))  # type: ignore[arg-type]
             return out
         self._candidate = ("back", b)
+        self._set_complete(out, "a backward seq awaits its confirmation")
         return out
 
     def replayed(self, b: Batch | None, seq: int | None = None) -> list[Action]:
@@ -486,6 +500,11 @@ class Sequencer:
             self._clear(out, f"the engine's batch {s} is not the one applied: a new process")
             self._r_restart = True
             return out
+        if first and self._r_verify is not None and s > self._r_verify[0] and self.last is not None:
+            # the buffer no longer holds our last batch, so it cannot tell us whether this is still
+            # our process (a new one that published past our seq looks the same): what we hold
+            # cannot be trusted; rebuilt from what the buffer holds (incomplete, judged below)
+            self._clear(out, f"the engine's buffer starts at {s}, after our last batch {self._r_verify[0]}")
         if b is None:
             return out  # a hole: the next readable batch will show it
         if self._r_hole:
@@ -561,7 +580,7 @@ class Sequencer:
             return self._start_replay(out, self._op, self.last + 1)  # type: ignore[arg-type, operator]
         if (
             not ok and self.MAX_HOLE_RETRIES > 0 and progressed
-            and self._op in ("gap", "fresh", "bootstrap", "resync")
+            and self._op in ("gap", "fresh", "bootstrap", "resync", "restart")
         ):
             # the replay stopped after making progress: its tail (end marker included) was lost on
             # the way, as a hole with nothing after it; ask again from the first missing seq
@@ -668,6 +687,7 @@ class Sequencer:
                     self._candidate = ("fwd", pending)
                 else:
                     self._candidate = ("back", pending)
+                    self._set_complete(out, "a backward seq could not be checked")
             else:
                 self.lost = True
                 if op == "confirm-reconnect" and self.has_replay and self.last is not None and not self._gave_up:
@@ -697,10 +717,15 @@ class Sequencer:
     def dropped(self) -> list[Action]:
         """A message of this pod was dropped (full queue): the stream may miss batches."""
         out: list[Action] = []
+        if self._candidate is not None:
+            # the dropped message may have come between the candidate and its successor (e.g. a
+            # still newer process's first batch): the next message no longer confirms it
+            self._candidate = None
+            out.append(Count("unconfirmed"))
         if self.last is not None:
             self.lost = True
             self._resync_due = True
-            self._set_complete(out, "message dropped")
+        self._set_complete(out, "message dropped")
         return out
 
     def disconnected(self) -> list[Action]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from kvevents.sequencer import Apply, Batch, Complete, Confirm, Count, Replay, Sequencer
+from kvevents.sequencer import Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 
 
 def b(seq: int, ts: float | None = None) -> Batch:
@@ -279,3 +279,91 @@ def test_a_duplicate_of_the_candidate_keeps_it() -> None:
     assert counts(s.live(b(0, ts=900.0))) == {"duplicates": 1}
     out = s.live(b(1, ts=900.5))
     assert counts(out).get("restarts") == 1 and out[-1] == Replay(0)
+
+
+# ---------------------------------------------------------------- compound faults found by the sequencer's world model
+# (tests/test_sequencer_world.py); each is the shrunk interleaving
+
+
+def test_a_gap_replay_whose_buffer_starts_after_our_last_batch_clears_the_stream() -> None:
+    """An unnoticed restart while the endpoint is down; the new process's seq 1 is dropped; its
+    seq 2 shows a gap.  The gap replay asks from our last batch (0) to check the process, but the
+    engine's short buffer holds only the new process's 1 and 2: seq 1 = our last + 1 used to be
+    applied as if it continued the old process, whose blocks then stayed in the index.  The
+    buffer cannot vouch for our last batch: the stream is rebuilt from what it holds."""
+    s = started(1)
+    out = s.live(b(0, ts=2000.0))  # the new process's seq 0
+    assert out[-1] == Confirm(0)
+    s.confirmed(None)  # the endpoint does not answer: held as a candidate
+    s.dropped()  # its seq 1 lost to a full queue
+    out = s.live(b(2, ts=2000.2))
+    assert out[-1] == Replay(0)
+    out = s.replayed(b(1, ts=2000.1))  # the buffer (2 batches) no longer holds any seq 0
+    assert any(type(a) is Clear for a in out) and applied(out) == [1]
+    out += s.replayed(b(2, ts=2000.2))
+    out += s.replay_end(True)
+    assert s.last == 2 and s.last_ts == 2000.2 and not s.complete
+    assert counts(out).get("gaps_unrecovered") == 1
+
+
+def test_the_same_process_whose_buffer_moved_past_our_last_batch_is_rebuilt_not_trusted() -> None:
+    s = started(3)
+    out = s.live(b(9))
+    assert out[-1] == Replay(2)
+    out = s.replayed(b(3))  # batch 2 is gone: the process cannot be told from a new one
+    assert any(type(a) is Clear for a in out) and applied(out) == [3]
+    for k in range(4, 10):
+        s.replayed(b(k))
+    s.replay_end(True)
+    assert s.last == 9 and not s.complete
+
+
+def test_a_backward_seq_that_could_not_be_checked_makes_the_stream_incomplete_until_decided() -> None:
+    """An unnoticed restart while the endpoint is down: the stream used to stay complete
+    (the engine holding nothing of it) until a next message decided."""
+    s = started(3)
+    out = s.live(b(0, ts=2000.0))
+    assert out[-1] == Confirm(2)
+    out = s.confirmed(None)
+    assert not s.complete and Complete(False, "a backward seq could not be checked") in out
+    # a message continuing our own sequence shows it was not the engine's: complete again
+    out = s.live(b(3))
+    assert applied(out) == [3] and s.complete
+
+
+def test_a_drop_between_a_candidate_and_its_successor_does_not_confirm_it() -> None:
+    """Retries ran out while the endpoint was down; the first message of a new process became a
+    candidate; a still newer process's seq 0 was dropped (the pool noticed) and its seq 1 used to
+    confirm the candidate: two processes' batches applied as one, reported complete."""
+    s = Sequencer(True, max_retries=0)
+    out = s.live(b(0, ts=1000.0))
+    assert out[-1] == Replay(0)
+    s.replay_end(False)  # gave up at once (no retries)
+    out = s.live(b(0, ts=2000.0))  # an unnoticed restart
+    assert out[-1] == Replay(0)
+    s.replay_end(False)  # still down: held as a candidate the next message must continue
+    out = s.dropped()  # a third process's seq 0 was lost to a full queue
+    assert counts(out).get("unconfirmed") == 1
+    out = s.live(b(1, ts=3000.1))  # ... and its seq 1 arrives
+    assert applied(out) == [] and out[-1] == Replay(0)  # judged on its own: the engine's buffer is asked
+    s.replayed(b(0, ts=3000.0))
+    s.replayed(b(1, ts=3000.1))
+    s.replay_end(True)
+    assert s.complete and s.last_ts == 3000.1
+
+
+def test_a_rebuild_replay_whose_tail_is_lost_is_asked_again_not_left_complete() -> None:
+    """A rebuild (the index lost writes) whose replay stops after a few batches (the rest and
+    the end marker lost): the stream used to be reported complete at the last batch it got,
+    forever if the engine publishes nothing more."""
+    s = started(5)
+    s.index_failed()
+    assert s.idle()[-1] == Replay(0)
+    s.replayed(b(0))
+    s.replayed(b(1))
+    out = s.replay_end(False)  # timed out
+    assert out[-1] == Replay(1) and counts(out).get("replay_holes") == 1  # from our last batch, checked
+    for k in range(1, 5):
+        s.replayed(b(k))
+    s.replay_end(True)
+    assert s.complete and s.last == 4
