@@ -68,8 +68,15 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   candidate may be an older process's first batch whose successor's was
   lost).  A message that continues our own sequence instead discards the
   candidate; another message with the candidate's seq and a different engine
-  timestamp replaces it (a still newer process).  So one hostile or corrupt
-  message (e.g. seq 2**64 - 2) can never clear a pod.
+  timestamp replaces it (a still newer process).  Engine times order the
+  candidates (a new process's clock is later than its predecessor's): a
+  backward message not newer than our last batch is never held as a restart
+  candidate (dropped, ``unconfirmed``); a candidate is confirmed only by a
+  successor not older than itself, and an unconfirmed message older than the
+  held candidate does not replace it.  So one hostile or corrupt message
+  (e.g. seq 2**64 - 2, or our last seq with an old time) can never clear a
+  pod or be applied.  (Limit: an engine whose wall clock steps back across
+  a restart, with no replay endpoint to ask, is not seen as restarted.)
 - A message with the next seq but an engine timestamp older than the last
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
@@ -313,6 +320,23 @@ class Sequencer:
         out.append(Replay(start))
         return out
 
+    def _hold(self, out: list[Action], kind: str, b: Batch) -> None:
+        """Hold ``b`` as the candidate the stream's next message must continue.
+
+        A backward message whose engine time is not later than our last batch's is no new
+        process (its clock would be later): it is dropped.  Of two unconfirmed messages the
+        one with the later engine time is kept (an older one is a stale or foreign message,
+        or an older process's).
+        """
+        if kind == "back" and self.last_ts is not None and b.ts <= self.last_ts:
+            out.append(Count("unconfirmed"))
+            return
+        if self._candidate is not None and self._candidate[1].ts > b.ts:
+            out.append(Count("unconfirmed"))
+            return
+        self._candidate = (kind, b)
+        self._set_complete(out, "a backward seq awaits its confirmation" if kind == "back" else "a gap awaits its next message")
+
     def _in_hole(self, seq: int) -> bool:
         return any(lo <= seq <= hi for lo, hi in self._holes)
 
@@ -350,7 +374,7 @@ class Sequencer:
         cand = self._candidate
         if cand is not None:
             kind, cb = cand
-            if b.seq == cb.seq + 1:
+            if b.seq == cb.seq + 1 and b.ts >= cb.ts:
                 self._candidate = None
                 if kind == "back" and self.has_replay:
                     # the endpoint could not be asked when the candidate came; it is the authority:
@@ -439,7 +463,7 @@ class Sequencer:
         if self.has_replay:
             self._pending = b
             return self._start_replay(out, "gap", self.last + 1)
-        self._candidate = ("fwd", b)
+        self._hold(out, "fwd", b)
         return out
 
     def _fresh(self, b: Batch) -> list[Action]:
@@ -477,8 +501,7 @@ class Sequencer:
             out.append(Count("replay_requests"))
             out.append(Confirm(self.last))  # type: ignore[arg-type]
             return out
-        self._candidate = ("back", b)
-        self._set_complete(out, "a backward seq awaits its confirmation")
+        self._hold(out, "back", b)
         return out
 
     def replayed(self, b: Batch | None, seq: int | None = None) -> list[Action]:
@@ -633,7 +656,7 @@ class Sequencer:
                     # buffers a batch as it publishes it); its next message starts the stream
                     out.append(Count("unconfirmed"))
                 else:
-                    self._candidate = ("fwd", pending)  # could not ask: the next message must continue it
+                    self._hold(out, "fwd", pending)  # could not ask: the next message must continue it
             elif pending.seq <= self.last:
                 if self._replayed.get(pending.seq) == pending.ts:
                     out.append(Count("duplicates"))
@@ -648,7 +671,7 @@ class Sequencer:
                 out.append(Count("unconfirmed"))  # beyond the engine's newest batch
             else:
                 # no buffer to check against (or the check failed): the next message decides
-                self._candidate = ("fwd", pending)
+                self._hold(out, "fwd", pending)
         self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
         return out
 
@@ -684,10 +707,9 @@ class Sequencer:
             out.append(Count("replay_failures"))
             if pending is not None:
                 if op == "confirm-live" and pending.seq > (self.last or 0):
-                    self._candidate = ("fwd", pending)
+                    self._hold(out, "fwd", pending)
                 else:
-                    self._candidate = ("back", pending)
-                    self._set_complete(out, "a backward seq could not be checked")
+                    self._hold(out, "back", pending)
             else:
                 self.lost = True
                 if op == "confirm-reconnect" and self.has_replay and self.last is not None and not self._gave_up:

@@ -325,7 +325,7 @@ def test_a_backward_seq_that_could_not_be_checked_makes_the_stream_incomplete_un
     out = s.live(b(0, ts=2000.0))
     assert out[-1] == Confirm(2)
     out = s.confirmed(None)
-    assert not s.complete and Complete(False, "a backward seq could not be checked") in out
+    assert not s.complete and Complete(False, "a backward seq awaits its confirmation") in out
     # a message continuing our own sequence shows it was not the engine's: complete again
     out = s.live(b(3))
     assert applied(out) == [3] and s.complete
@@ -367,3 +367,32 @@ def test_a_rebuild_replay_whose_tail_is_lost_is_asked_again_not_left_complete() 
         s.replayed(b(k))
     s.replay_end(True)
     assert s.complete and s.last == 4
+
+
+def test_without_replay_one_backward_message_older_than_our_last_batch_neither_clears_nor_applies() -> None:
+    """A foreign or corrupt message at our last seq, with an older engine time, used to be held as
+    a restart candidate that the engine's next batch confirmed: the pod was cleared and the
+    message applied.  A new process's clock is later than our last batch's."""
+    s = Sequencer(False)
+    for k in range(3):
+        s.live(b(k))
+    out = s.live(Batch(2, 1.0))
+    assert counts(out) == {"unconfirmed": 1} and s.complete
+    out = s.live(b(3))
+    assert applied(out) == [3] and not any(type(a) is Clear for a in out) and s.complete
+
+
+def test_a_candidate_is_not_confirmed_by_an_older_message_nor_replaced_by_one() -> None:
+    """Retries ran out; a new process's seq 0 waits as a candidate; a foreign message with seq 1
+    and an old engine time came next and used to confirm it (both applied, the stream complete)."""
+    s = Sequencer(True, max_retries=0)
+    s.live(b(0, ts=1000.0))
+    s.replay_end(False)  # gave up
+    assert s.live(b(0, ts=2000.0))[-1] == Replay(0)
+    s.replay_end(False)  # candidate 0@2000
+    out = s.live(Batch(1, 1.0))  # not its successor: judged on its own
+    assert applied(out) == [] and out[-1] == Replay(0)
+    out = s.replay_end(False)
+    assert counts(out).get("unconfirmed") == 1  # the older message does not replace the candidate
+    out = s.live(b(1, ts=2000.1))  # the engine's own next batch confirms it
+    assert applied(out) == [0, 1] and s.last_ts == 2000.1
