@@ -67,8 +67,10 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   endpoint the stream is then rebuilt from the engine's buffer from seq 0 (the
   candidate may be an older process's first batch whose successor's was
   lost).  A message that continues our own sequence instead discards the
-  candidate; another message with the candidate's seq and a different engine
-  timestamp replaces it (a still newer process).  Engine times order the
+  candidate (with an endpoint, only when it is older than the candidate:
+  a newer one may be the candidate's process having reached our seq, and the
+  engine's buffer is asked); another message with the candidate's seq and a
+  different engine timestamp replaces it (a still newer process).  Engine times order the
   candidates (a new process's clock is later than its predecessor's): a
   backward message not newer than our last batch is never held as a restart
   candidate (dropped, ``unconfirmed``); a candidate is confirmed only by a
@@ -405,6 +407,17 @@ class Sequencer:
             if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
                 out.append(Count("duplicates"))
                 return out  # the same message again
+            if (
+                kind == "back" and self.has_replay and self.last is not None and b.seq == self.last + 1
+                and b.ts > cb.ts
+            ):
+                # our next seq, but newer than the candidate (itself newer than our last batch): the
+                # candidate's process may have reached our seq, its batches between lost; the
+                # engine's buffer decides (a replay from our last batch checks the process)
+                self._candidate = None
+                out.append(Count("unconfirmed"))
+                self._pending = b
+                return self._start_replay(out, "gap", self.last + 1)
             if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
                 # our sequence continues (the candidate was not the engine's), or another message
                 # with the candidate's seq: a still newer process starting over, judged below as a
@@ -736,9 +749,21 @@ class Sequencer:
         self._pending = pending
         return self._start_replay(out, "restart", 0)
 
-    def dropped(self) -> list[Action]:
-        """A message of this pod was dropped (full queue): the stream may miss batches."""
+    def dropped(self, in_place: bool = False) -> list[Action]:
+        """A message of this pod was dropped (full queue): the stream may miss batches.
+
+        ``in_place``: the notice comes at the lost message's place in the order
+        (after the messages queued before it), following an earlier notice the
+        shard gave as soon as it saw the drop: it only discards a candidate held
+        since (the earlier notice marked the stream and asked for its resync).
+        """
         out: list[Action] = []
+        if in_place:
+            if self._candidate is not None:
+                self._candidate = None
+                out.append(Count("unconfirmed"))
+                self._set_complete(out, "message dropped")
+            return out
         if self._candidate is not None:
             # the dropped message may have come between the candidate and its successor (e.g. a
             # still newer process's first batch): the next message no longer confirms it

@@ -396,3 +396,44 @@ def test_a_candidate_is_not_confirmed_by_an_older_message_nor_replaced_by_one() 
     assert counts(out).get("unconfirmed") == 1  # the older message does not replace the candidate
     out = s.live(b(1, ts=2000.1))  # the engine's own next batch confirms it
     assert applied(out) == [0, 1] and s.last_ts == 2000.1
+
+
+def test_a_drop_marker_after_a_candidate_queued_before_it_discards_the_candidate() -> None:
+    """The shard notices a drop before the messages queued ahead of the lost one: a new
+    process's seq 0 queued before the drop became a candidate only after that early notice,
+    and a still newer process's seq 1 (after the lost seq 0) confirmed it.  The marker the pool
+    leaves at the lost message's place discards it (retries spent, endpoint down)."""
+    s = Sequencer(True, max_retries=0)
+    s.live(b(0, ts=1000.0))
+    s.replay_end(False)  # gave up at once
+    s.dropped()  # the early notice: the stream holds nothing yet
+    assert s.live(b(0, ts=2000.0))[-1] == Replay(0)  # queued before the drop
+    s.replay_end(False)  # held as a candidate
+    out = s.dropped(in_place=True)  # the marker at the lost message's place
+    assert counts(out) == {"unconfirmed": 1}
+    out = s.live(b(1, ts=3000.1))
+    assert applied(out) == [] and out[-1] == Replay(0)
+
+
+def test_an_in_place_drop_notice_alone_asks_nothing() -> None:
+    s = started(3)
+    assert s.dropped(in_place=True) == [] and s.complete
+
+
+def test_our_next_seq_newer_than_a_backward_candidate_is_checked_not_applied() -> None:
+    """An unnoticed restart while the endpoint is down: the new process's seq 0 waits as a
+    candidate, its seq 1 is lost, and its seq 2 = our last + 1 used to discard the candidate
+    and be applied as our old process's next batch (found by the engine-model test)."""
+    s = started(2)  # 0@100, 1@101
+    assert s.live(b(0, ts=2000.0))[-1] == Confirm(1)
+    s.confirmed(None)
+    out = s.live(b(2, ts=2000.2))
+    assert applied(out) == [] and out[-1] == Replay(1)
+    out = s.replayed(b(1, ts=2000.1))  # the engine's batch 1 is not ours: a new process
+    assert counts(out).get("restarts") == 1
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0)
+    for k in range(3):
+        s.replayed(b(k, ts=2000.0 + k / 10))
+    s.replay_end(True)
+    assert s.complete and s.last == 2 and s.last_ts == 2000.2
