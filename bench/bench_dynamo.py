@@ -360,6 +360,20 @@ def run_section(args: argparse.Namespace) -> int:
     if args.only == "memory":
         kinds = [k for k in args.memory_kinds.split(",") if k]
         print_memory(bench_memory(args.memory_entries, 8, kinds), args.memory_entries)
+    elif args.only == "score":
+        # the 8,192-token cases of the full run (8 and 64 pods, --entries), with their table rows
+        for pods in (8, 64):
+            fleet = Fleet(pods)
+            fleet.fill(args.entries)
+            fleet.sync()
+            r = read_case(fleet, 8192, args.reps)
+            del fleet
+            for name, key in (("score()", "ours_score_list"), ("  numpy in", "ours_score_numpy"),
+                              ("  prefix_match only", "ours_prefix_match")):
+                o, d = r[key], r["dynamo"]
+                print(f"{name:<22} 8192 tok, {pods} pods, {args.entries:,} entries: ours med {o['median_us']:.0f} "
+                      f"min {o['min_us']:.0f} us, Dynamo med {d['median_us']:.0f} min {d['min_us']:.0f} us, "
+                      f"ratio med {o['median_us'] / d['median_us']:.2f} min {o['min_us'] / d['min_us']:.2f}")
     else:
         print_ingest(bench_ingest(2_000 if args.quick else 20_000, 8, 8, 3))
     return 0
@@ -371,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size for the read path")
     ap.add_argument("--memory-entries", type=int, default=2_000_000)
-    ap.add_argument("--only", choices=["memory", "ingest"], help="run one section and print its line")
+    ap.add_argument("--only", choices=["memory", "ingest", "score"], help="run one section and print its line")
     ap.add_argument("--memory-kinds", default="native,dynamo,python",
                     help="comma-separated backends of the memory section (native, dynamo, python)")
     args = ap.parse_args(argv)

@@ -11,7 +11,7 @@ Where the work happens:
 - In C++ (``kvindex._native.IndexCore``, native/native.cpp), with the GIL
   released: level 1 (request key -> holders: pod slot, DP rank, tier mask,
   engine key) as an open-addressing table of 4-byte block indices over
-  32-byte block records with an intrusive LRU list by block index; level 2
+  28-byte block records with an intrusive LRU list by block index; level 2
   (engine key -> request key, reference counted) and the per-(pod, DP rank,
   model) engine key -> request key maps that make a clear cost O(the pod's
   keys), both as tables of block indices keyed through the holders (see the
@@ -76,8 +76,8 @@ class NativeKVBlockIndex(SideTables):
     """The two-level KV block index with its data in compiled code.
 
     Args and errors: as :class:`kvindex.index.KVBlockIndex` (token_processor,
-    capacity >= 1, max_orphan_blocks >= 0, clock).  Holds at most 65,535 pods
-    with blocks at once and 2**32 - 2 request keys (capacity is capped there).
+    capacity >= 1, max_orphan_blocks >= 0, clock).  Holds at most 16,381 pods
+    with blocks at once and 2**27 - 2 request keys (capacity is capped there).
     """
 
     def __init__(
@@ -98,7 +98,7 @@ class NativeKVBlockIndex(SideTables):
         self.max_orphan_blocks = max_orphan_blocks
         self._compat = bool(self.token_processor.engine_compatible)
         self._clock = clock
-        self._core = _native.IndexCore(min(capacity, 2**32 - 3), self._compat)
+        self._core = _native.IndexCore(min(capacity, 2**27 - 2), self._compat)
         self._lock = threading.RLock()  # writers, orphans, speculative entries
         # compat mode chains nothing: the core takes the block size from a K of that length
         self._ones_k = np.ones(self.block_size, dtype=np.uint64)

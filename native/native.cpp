@@ -6,17 +6,19 @@
 //  * IndexCore: the data of the two-level KV block index (see kvindex/native.py, the
 //    Python class around it, for the event semantics; they mirror kvindex/index.py).
 //
-// Layout (IndexCore), about 52 bytes per (block, pod) at 10 M entries:
-//  * blocks: a vector of 32-byte Block records (request key, intrusive LRU links as indices, one
-//    16-byte Holder inline or a heap array sized to the holders); freed records are reused
-//    through a free list; holders keep interned ids of their DP rank and tier mask;
-//  * level 1: open-addressing set of block indices (4 bytes a slot) keyed by the block's request key;
+// Layout (IndexCore), about 44 bytes per (block, pod) at 10 M entries, 8 pods:
+//  * blocks: a vector of 28-byte Block records (request key, intrusive LRU links as indices, one
+//    12-byte Holder inline or a heap array sized to the holders); freed records are reused
+//    through a free list; a holder keeps its engine key, a 14-bit pod slot with two flags, and one
+//    interned id of its (model, DP rank, tier mask);
+//  * level 1: a set of block indices (4 bytes a slot: 27-bit index and 5-bit probe distance, Robin
+//    Hood linear probing, 70-87.5 % full) keyed by the block's request key;
 //  * streams: per (pod slot, model, DP rank), engine key -> request key, so that clearing a pod
 //    costs O(that pod's keys);
 //  * level 2: per model, engine key -> (request key, number of streams);
 //    both as sets of block indices keyed by the engine key of the holder that carries the entry
 //    (FLAG_S / FLAG_L in the holder), plus explicit maps for entries no holder can carry;
-//  * pods: name <-> 16-bit slot; a slot is reused once its pod holds nothing.
+//  * pods: name <-> 14-bit slot (at most 16,381 pods); a slot is reused once its pod holds nothing.
 //
 // Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
 // readers (prefix match, lookup, best DP rank) hold it shared, so several readers run
@@ -283,22 +285,32 @@ void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t
 
 // ---------------------------------------------------------------- the index
 
-// One (pod, DP rank) holding a block: 16 bytes.  The tier mask and the DP rank are interned
-// (IndexCore::mask_vals_, rank_vals_: few distinct values, append-only) and kept as 16-bit ids.
-constexpr uint16_t POD_EMPTY = 0xFFFD;  // pod field of an empty inline holder slot
-constexpr uint16_t POD_SPILL = 0xFFFF;  // pod field marking holders spilled to the heap
-constexpr uint16_t MK_ID = 0x3FFF;      // mask id bits of Holder::mk (the top two are flags)
+// One (pod, DP rank) holding a block: 12 bytes (4-byte aligned).  The holder's model, DP rank
+// and tier mask are interned together as one 16-bit attribute id (IndexCore::attrs_: few
+// distinct combinations, append-only); the pod slot takes 14 bits and two flags the top two.
+constexpr uint16_t POD_BITS = 0x3FFF;   // pod slot bits of Holder::pf
+constexpr uint16_t MAX_PODS = 0x3FFD;   // pod slots 0 .. MAX_PODS - 1
+constexpr uint16_t POD_EMPTY = 0xFFFD;  // pf of an empty inline holder slot (no real holder has it)
+constexpr uint16_t POD_SPILL = 0xFFFF;  // pf marking holders spilled to the heap
+#pragma pack(push, 4)
 struct Holder {
-    u64 ek;          // the engine key this (pod, rank) stored the block under
-    uint16_t pod;    // pod slot
-    uint16_t model;  // the model of the stream that first stored it (the reference keeps it too)
-    uint16_t rid;    // interned DP rank
-    uint16_t mk;     // interned tier mask (low 14 bits) and flags
+    u64 ek;       // the engine key this (pod, rank) stored the block under
+    uint16_t pf;  // pod slot (low 14 bits), FLAG_S and FLAG_L (top 2)
+    uint16_t at;  // interned (model of the stream that first stored it, DP rank, tier mask)
+    uint16_t pod() const { return pf & POD_BITS; }
 };
-static_assert(sizeof(Holder) == 16, "Holder is 16 bytes");
+#pragma pack(pop)
+static_assert(sizeof(Holder) == 12, "Holder is 12 bytes");
 
-// The holders of one block in 16 bytes: one holder inline (most blocks have one), or a pointer
-// to a heap array sized to the holders (two or more), marked by pod == POD_SPILL.
+// One interned holder attribute: the model id (the reference keeps the model of the stream that
+// first stored the copy), the interned DP rank and the tier mask.
+struct Attr {
+    u64 mask;
+    uint16_t model, rid;
+};
+
+// The holders of one block in 12 bytes: one holder inline (most blocks have one), or a pointer
+// to a heap array sized to the holders (two or more, at most 65535), marked by pf == POD_SPILL.
 class HolderVec {
   public:
     HolderVec() { set_empty(); }
@@ -318,7 +330,7 @@ class HolderVec {
     }
     ~HolderVec() { release(); }
 
-    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pod == POD_EMPTY ? 0 : 1); }
+    size_t size() const { return spilled() ? u_.sp.n : (u_.one.pf == POD_EMPTY ? 0 : 1); }
     bool empty() const { return size() == 0; }
     size_t heap_bytes() const { return spilled() ? u_.sp.n * sizeof(Holder) : 0; }
     Holder* begin() { return data(); }
@@ -334,13 +346,14 @@ class HolderVec {
             u_.one = h;
             return;
         }
+        if (n >= 0xFFFF) throw std::length_error("more than 65535 holders of one block");
         Holder* m = static_cast<Holder*>(::operator new(sizeof(Holder) * (n + 1)));
         std::memcpy(m, data(), sizeof(Holder) * n);
         m[n] = h;
         release();
         u_.sp.many = m;
         u_.sp.tag = POD_SPILL;
-        u_.sp.n = (u32)(n + 1);
+        u_.sp.n = (uint16_t)(n + 1);
     }
 
     // Remove holder i (the others keep their order), shrinking to fit.
@@ -362,7 +375,7 @@ class HolderVec {
         std::memcpy(m + i, d + i + 1, sizeof(Holder) * (n - 1 - i));
         ::operator delete(d);
         u_.sp.many = m;
-        u_.sp.n = (u32)(n - 1);
+        u_.sp.n = (uint16_t)(n - 1);
     }
 
     void clear() {
@@ -374,29 +387,32 @@ class HolderVec {
     bool spilled() const { return u_.sp.tag == POD_SPILL; }
     Holder* data() { return spilled() ? u_.sp.many : &u_.one; }
     const Holder* data() const { return spilled() ? u_.sp.many : &u_.one; }
-    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0, 0, 0}; }
+    void set_empty() { u_.one = Holder{0, POD_EMPTY, 0}; }
     void release() {
         if (spilled()) ::operator delete(u_.sp.many);
     }
+#pragma pack(push, 4)
     union U {
         Holder one;
         struct {
             Holder* many;
-            uint16_t tag;  // overlays Holder::pod
-            uint16_t pad;
-            u32 n;
+            uint16_t tag;  // overlays Holder::pf
+            uint16_t n;
         } sp;
         U() : one() {}
     } u_;
+#pragma pack(pop)
 };
-static_assert(sizeof(HolderVec) == 16, "HolderVec is 16 bytes");
+static_assert(sizeof(HolderVec) == 12, "HolderVec is 12 bytes");
 
-struct Block {  // 32 bytes
+#pragma pack(push, 4)
+struct Block {  // 28 bytes, 4-byte aligned
     u64 rk = 0;
     u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
     HolderVec hs;
 };
-static_assert(sizeof(Block) == 32, "Block is 32 bytes");
+#pragma pack(pop)
+static_assert(sizeof(Block) == 28, "Block is 28 bytes");
 
 #pragma pack(push, 4)
 struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
@@ -405,9 +421,29 @@ struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
 };
 #pragma pack(pop)
 
+// A found block index (NIL: none), for `if (bi)` / `*bi`.
+struct Found {
+    u32 v = NIL;
+    explicit operator bool() const { return v != NIL; }
+    u32 operator*() const { return v; }
+};
+
+// Block indices are below 2^27 - 1: a set slot keeps the index in its low 27 bits and the entry's
+// probe distance (capped at 31) in the top 5.
+constexpr u32 IDX_BITS = 27;
+constexpr u32 IDX_MASK = (1u << IDX_BITS) - 1;
+constexpr u32 MAX_BLOCKS = IDX_MASK;  // indices 0 .. MAX_BLOCKS - 1 (slot NIL stays unambiguous)
+constexpr u32 DIST_CAP = 31;
+
 // An open-addressing set of block indices (4 bytes a slot) keyed by a key derived from the block
-// (KeyOf(index) -> u64): linear probing, backward-shift deletion, load <= 3/4.  Level 1 keys blocks
-// by request key; each stream and each model's level 2 key blocks by a holder's engine key.
+// (KeyOf(index) -> u64).  Robin Hood linear probing: within a run the entries are ordered by home
+// slot, and each slot also records how far its entry sits from its home (5 bits, exact below 31).
+// A lookup skips the entries whose distance differs from its own without reading their blocks,
+// stops at the first one closer to its home than the key would be, and reads a block only for
+// entries with the key's own home; deletion shifts the run back (no tombstones).  The home slot is
+// Lemire's multiply-shift range reduction of fmix64(key), so the table size is any integer: once
+// 7/8 full it doubles below 2^17 slots, and beyond grows by 1.25x, staying 70-87.5 % full.  Level 1 keys blocks by
+// request key; each stream and each model's level 2 key blocks by a holder's engine key.
 template <class KeyOf>
 class IdxSet {
   public:
@@ -421,83 +457,111 @@ class IdxSet {
     // The index stored under k, or NIL.
     u32 find(u64 k) const {
         if (size_ == 0) return NIL;
-        size_t i = slot(k);
-        while (slots_[i] != NIL) {
-            if (key_(slots_[i]) == k) return slots_[i];
-            i = (i + 1) & mask_;
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        for (size_t d = 0;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) return NIL;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) return NIL;
+            if (de == d && key_(e & IDX_MASK) == k) return e & IDX_MASK;
+            if (++i == cap) i = 0;
         }
-        return NIL;
     }
-    // A pointer to the slot holding k's index (level 1's interface), or nullptr.
-    const u32* find_ptr(u64 k) const {
-        if (size_ == 0) return nullptr;
-        size_t i = slot(k);
-        while (slots_[i] != NIL) {
-            if (key_(slots_[i]) == k) return &slots_[i];
-            i = (i + 1) & mask_;
-        }
-        return nullptr;
-    }
+    Found find_ptr(u64 k) const { return Found{find(k)}; }
 
     // Adds k -> idx; k must be absent and key(idx) == k once the caller has set the block up.
     void insert(u64 k, u32 idx) {
-        if ((size_ + 1) * 4 > slots_.size() * 3) grow();
-        size_t i = slot(k);
-        while (slots_[i] != NIL) i = (i + 1) & mask_;
-        slots_[i] = idx;
+        if ((size_ + 1) * 8 > slots_.size() * 7) grow();
+        place(k, idx);
         ++size_;
     }
 
     bool erase(u64 k) {
         if (size_ == 0) return false;
-        size_t i = slot(k);
-        while (true) {
-            if (slots_[i] == NIL) return false;
-            if (key_(slots_[i]) == k) break;
-            i = (i + 1) & mask_;
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        for (size_t d = 0;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) return false;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) return false;
+            if (de == d && key_(e & IDX_MASK) == k) break;
+            if (++i == cap) i = 0;
         }
-        size_t j = i;
+        // shift the rest of the run back by one, up to an empty slot or an entry at its home
         while (true) {
-            j = (j + 1) & mask_;
-            if (slots_[j] == NIL) break;
-            size_t home = slot(key_(slots_[j]));
-            // move j back to i unless its home lies cyclically in (i, j]
-            bool stays = (i <= j) ? (i < home && home <= j) : (i < home || home <= j);
-            if (!stays) {
-                slots_[i] = slots_[j];
-                i = j;
-            }
+            size_t j = i + 1 == cap ? 0 : i + 1;
+            u32 e = slots_[j];
+            if (e == NIL || (e >> IDX_BITS) == 0) break;
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP) de = dist(j, home(key_(e & IDX_MASK), cap), cap);
+            slots_[i] = tag(e & IDX_MASK, de - 1);
+            i = j;
         }
         slots_[i] = NIL;
         --size_;
-        if (size_ == 0) {
-            std::vector<u32>().swap(slots_);
-            mask_ = 0;
-        }
+        if (size_ == 0) std::vector<u32>().swap(slots_);
         return true;
     }
 
     template <class F>
     void for_each(F&& f) const {
-        for (u32 idx : slots_)
-            if (idx != NIL) f(idx);
+        for (u32 e : slots_)
+            if (e != NIL) f(e & IDX_MASK);
     }
 
     size_t bytes() const { return slots_.capacity() * sizeof(u32); }
 
   private:
-    size_t slot(u64 k) const { return fmix64(k) & mask_; }
+    static size_t home(u64 k, size_t cap) { return (size_t)(((unsigned __int128)fmix64(k) * cap) >> 64); }
+    static size_t dist(size_t i, size_t h, size_t cap) { return i >= h ? i - h : i + cap - h; }
+    static u32 tag(u32 idx, size_t d) { return idx | ((u32)std::min<size_t>(d, DIST_CAP) << IDX_BITS); }
+
+    // Robin Hood insertion of an absent key: at the first entry closer to its home than k would
+    // be, k takes the slot and the rest of the run moves up by one.
+    void place(u64 k, u32 idx) {
+        size_t cap = slots_.size();
+        size_t i = home(k, cap);
+        size_t d = 0;
+        for (;; ++d) {
+            u32 e = slots_[i];
+            if (e == NIL) {
+                slots_[i] = tag(idx, d);
+                return;
+            }
+            size_t de = e >> IDX_BITS;
+            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
+            if (de < d) break;
+            if (++i == cap) i = 0;
+        }
+        u32 carry = tag(idx, d);
+        while (true) {
+            u32 e = slots_[i];
+            slots_[i] = carry;
+            if (e == NIL) return;
+            size_t de = e >> IDX_BITS;  // a capped distance stays capped
+            carry = tag(e & IDX_MASK, de + 1);
+            if (++i == cap) i = 0;
+        }
+    }
+
     void grow() {
-        size_t ncap = slots_.empty() ? 8 : slots_.size() * 2;
+        // small tables double (cheap, few rehashes); from 2^17 slots on they grow by 1.25x
+        size_t cur = slots_.size();
+        size_t ncap = cur == 0 ? 8 : cur < (1u << 17) ? cur * 2 : cur + cur / 4;
         std::vector<u32> old;
         old.swap(slots_);
         slots_.assign(ncap, NIL);
-        mask_ = ncap - 1;
-        for (u32 idx : old) {
-            if (idx == NIL) continue;
-            size_t i = slot(key_(idx));
-            while (slots_[i] != NIL) i = (i + 1) & mask_;
-            slots_[i] = idx;
+        // old slots in order: the keys come in about the order of their new homes, so each
+        // placement only probes the slots just filled
+        constexpr size_t AHEAD = 16;
+        for (size_t j = 0; j < old.size(); ++j) {
+            if (j + AHEAD < old.size() && old[j + AHEAD] != NIL) key_.prefetch(old[j + AHEAD] & IDX_MASK);
+            u32 e = old[j];
+            if (e != NIL) place(key_(e & IDX_MASK), e & IDX_MASK);
         }
         size_t old_bytes = old.capacity() * sizeof(u32);
         std::vector<u32>().swap(old);
@@ -506,10 +570,9 @@ class IdxSet {
     KeyOf key_;
     std::vector<u32> slots_;
     size_t size_ = 0;
-    size_t mask_ = 0;
 };
 
-// Holder::mk flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
+// Holder::pf flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
 // holder.ek -> the block's request key.  FLAG_L: the holder carries its model's level-2 entry
 // holder.ek -> (the block's request key, 1 stream).  Entries that no holder can carry (the
 // engine key or model of the holder differs, more than one stream, a value that outlived its
@@ -520,22 +583,28 @@ constexpr uint16_t FLAG_L = 0x4000;
 struct RkOf {
     const std::vector<Block>* blocks = nullptr;
     u64 operator()(u32 i) const { return (*blocks)[i].rk; }
+    void prefetch(u32 i) const { __builtin_prefetch(&(*blocks)[i]); }
 };
 
 // The holder of block i carrying a stream's (by_pod: pod, rid, model) or a model's level-2 entry.
 struct HolderKey {
     const std::vector<Block>* blocks = nullptr;
+    const std::vector<Attr>* attrs = nullptr;
     uint16_t pod = 0, rid = 0, model = 0, flag = 0;
     bool by_pod = false;
     const Holder* holder(u32 i) const {
-        for (const Holder& h : (*blocks)[i].hs)
-            if ((h.mk & flag) && h.model == model && (!by_pod || (h.pod == pod && h.rid == rid))) return &h;
+        for (const Holder& h : (*blocks)[i].hs) {
+            if (!(h.pf & flag) || (by_pod && h.pod() != pod)) continue;
+            const Attr& a = (*attrs)[h.at];
+            if (a.model == model && (!by_pod || a.rid == rid)) return &h;
+        }
         return nullptr;
     }
     u64 operator()(u32 i) const {
         const Holder* h = holder(i);
         return h ? h->ek : ~0ULL;
     }
+    void prefetch(u32 i) const { __builtin_prefetch(&(*blocks)[i]); }
 };
 
 using RkMap = IdxSet<RkOf>;
@@ -687,7 +756,7 @@ class IndexCore {
                 st.t.for_each([&](u32 bi) {
                     Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
                     ents.emplace_back(h->ek, blocks_[bi].rk);
-                    h->mk &= (uint16_t)~FLAG_S;
+                    h->pf &= (uint16_t)~FLAG_S;
                 });
                 st.x.for_each([&](u64 ek, u64 rk) { ents.emplace_back(ek, rk); });
                 streams_.erase(sid);
@@ -696,7 +765,7 @@ class IndexCore {
             uint16_t sm = stream_model(sid);
             for (auto& [ek, rk] : ents) {
                 unref_engine(ek, sm);
-                const u32* bi = rk_map_.find_ptr(rk);
+                Found bi = rk_map_.find_ptr(rk);
                 if (!bi) continue;
                 Block& b = blocks_[*bi];
                 size_t h = find_holder(b, ps, r);
@@ -987,11 +1056,11 @@ class IndexCore {
                 auto it = pod_by_name_.find(names[c]);
                 if (it == pod_by_name_.end()) continue;
                 for (size_t i = 0; i < keys.n; ++i) {
-                    const u32* bi = rk_map_.find_ptr(keys.data[i]);
+                    Found bi = rk_map_.find_ptr(keys.data[i]);
                     if (!bi) continue;
                     u64 m = 0;
                     for (const Holder& h : blocks_[*bi].hs)
-                        if (h.pod == it->second) m |= hmask(h);
+                        if (h.pod() == it->second) m |= hmask(h);
                     rows[c][i] = m;
                 }
             }
@@ -1009,9 +1078,9 @@ class IndexCore {
         nb::gil_scoped_release nogil;
         std::shared_lock lk(mu_);
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
-            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod], hmask(h), hrank(h));
+            for (const Holder& h : blocks_[*bi].hs) out[i].emplace_back(pod_names_[h.pod()], hmask(h), hrank(h));
         }
         return out;
     }
@@ -1041,21 +1110,21 @@ class IndexCore {
             }
         }
         if (nranks == 1) {
-            const u32* bi = rk_map_.find_ptr(keys.data[0]);
+            Found bi = rk_map_.find_ptr(keys.data[0]);
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && hrank(h) == only) return only;
+                    if (h.pod() == ps && hrank(h) == only) return only;
             return std::nullopt;
         }
         std::vector<int32_t> alive, next;
         bool first = true;
         std::optional<int32_t> best;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             next.clear();
             if (bi)
                 for (const Holder& h : blocks_[*bi].hs)
-                    if (h.pod == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
+                    if (h.pod() == ps && (first || std::find(alive.begin(), alive.end(), hrank(h)) != alive.end()))
                         next.push_back(hrank(h));
             first = false;
             alive.swap(next);
@@ -1109,10 +1178,10 @@ class IndexCore {
         std::shared_lock lk(mu_);
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return false;
-        const u32* bi = rk_map_.find_ptr(rk);
+        Found bi = rk_map_.find_ptr(rk);
         if (!bi) return false;
         for (const Holder& h : blocks_[*bi].hs)
-            if (h.pod == it->second) return true;
+            if (h.pod() == it->second) return true;
         return false;
     }
 
@@ -1126,10 +1195,10 @@ class IndexCore {
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return out;
         for (size_t i = 0; i < keys.n; ++i) {
-            const u32* bi = rk_map_.find_ptr(keys.data[i]);
+            Found bi = rk_map_.find_ptr(keys.data[i]);
             if (!bi) continue;
             for (const Holder& h : blocks_[*bi].hs)
-                if (h.pod == it->second) {
+                if (h.pod() == it->second) {
                     out[i] = true;
                     break;
                 }
@@ -1139,7 +1208,7 @@ class IndexCore {
 
     bool contains(u64 rk) {
         std::shared_lock lk(mu_);
-        return rk_map_.find_ptr(rk) != nullptr;
+        return rk_map_.find(rk) != NIL;
     }
 
     std::vector<u64> pod_keys(const std::string& pod, std::optional<int32_t> rank) {
@@ -1221,7 +1290,7 @@ class IndexCore {
         for (auto& e : engines_) b += e.second.t.bytes() + e.second.x.bytes() + 64;
         for (const Block& blk : blocks_)
             b += blk.hs.heap_bytes();
-        b += mask_vals_.capacity() * sizeof(u64) + rank_vals_.capacity() * sizeof(int32_t);
+        b += attrs_.capacity() * sizeof(Attr) + rank_vals_.capacity() * sizeof(int32_t);
         for (auto& kv : streams_) b += kv.second.t.bytes() + kv.second.x.bytes() + 96;
         return b;
     }
@@ -1233,7 +1302,7 @@ class IndexCore {
         u32 prev = NIL;
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             if (blocks_[i].prev != prev) throw std::runtime_error("LRU links broken");
-            const u32* bi = rk_map_.find_ptr(blocks_[i].rk);
+            Found bi = rk_map_.find_ptr(blocks_[i].rk);
             if (!bi || *bi != i) throw std::runtime_error("level 1 does not map a listed block");
             if (blocks_[i].hs.empty()) throw std::runtime_error("a block without holders");
             prev = i;
@@ -1245,7 +1314,7 @@ class IndexCore {
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
             std::vector<uint16_t> seen;
             for (const Holder& h : blocks_[i].hs)
-                if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) seen.push_back(h.pod);
+                if (std::find(seen.begin(), seen.end(), h.pod()) == seen.end()) seen.push_back(h.pod());
             for (uint16_t p : seen) ++counted[p];
         }
         for (size_t s = 0; s < counted.size(); ++s)
@@ -1261,15 +1330,15 @@ class IndexCore {
         for (auto& e : engines_) check_set(e.second.t);
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next)
             for (const Holder& h : blocks_[i].hs) {
-                if (h.mk & FLAG_S) {
-                    auto it = streams_.find(stream_id(h.pod, h.model, hrank(h)));
+                if (h.pf & FLAG_S) {
+                    auto it = streams_.find(stream_id(h.pod(), hmodel(h), hrank(h)));
                     if (it == streams_.end() || it->second.t.find(h.ek) != i)
                         throw std::runtime_error("a holder's stream entry is missing");
                 }
-                if (h.mk & FLAG_L) {
+                if (h.pf & FLAG_L) {
                     Engine* em = nullptr;
                     for (auto& e : engines_)
-                        if (e.first == h.model) em = &e.second;
+                        if (e.first == hmodel(h)) em = &e.second;
                     if (!em || em->t.find(h.ek) != i) throw std::runtime_error("a holder's level-2 entry is missing");
                 }
             }
@@ -1358,10 +1427,10 @@ class IndexCore {
         std::vector<size_t> live(nc);
         for (size_t c = 0; c < nc; ++c) live[c] = c;
         for (size_t i = 0; i < n && !live.empty(); ++i) {
-            const u32* bi = rk_map_.find_ptr(keys[i]);
+            Found bi = rk_map_.find_ptr(keys[i]);
             if (!bi) break;
             for (const Holder& h : blocks_[*bi].hs) {
-                int c = of_slot[h.pod];
+                int c = of_slot[h.pod()];
                 if (c >= 0) cur[(size_t)c] |= hmask(h);
             }
             for (size_t k = 0; k < live.size();) {
@@ -1401,7 +1470,7 @@ class IndexCore {
             pod_names_[s] = pod;
             pod_blocks_[s] = 0;
         } else {
-            if (pod_names_.size() >= POD_EMPTY) throw std::length_error("more than 65533 pods hold blocks");
+            if (pod_names_.size() >= MAX_PODS) throw std::length_error("more than 16381 pods hold blocks");
             s = (uint16_t)pod_names_.size();
             pod_names_.push_back(pod);
             pod_blocks_.push_back(0);
@@ -1433,7 +1502,7 @@ class IndexCore {
     Stream& stream_mk(u64 sid) {
         auto [it, ins] = streams_.try_emplace(sid);
         if (ins)
-            it->second.t.key() = HolderKey{&blocks_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
+            it->second.t.key() = HolderKey{&blocks_, &attrs_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
                                            FLAG_S, true};
         return it->second;
     }
@@ -1462,7 +1531,7 @@ class IndexCore {
         if (bi == NIL || blocks_[bi].rk != rk) return false;
         Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
         st.t.erase(ek);  // the holder keeps FLAG_S until its slot is gone (the set reads its key)
-        h->mk &= (uint16_t)~FLAG_S;
+        h->pf &= (uint16_t)~FLAG_S;
         return true;
     }
 
@@ -1503,24 +1572,24 @@ class IndexCore {
     void e_untake(Engine& em, u64 ek, u32 bi) {
         Holder* h = const_cast<Holder*>(em.t.key().holder(bi));
         em.t.erase(ek);
-        h->mk &= (uint16_t)~FLAG_L;
+        h->pf &= (uint16_t)~FLAG_L;
     }
 
     // The entries holder h (of block bi) carries move to the explicit maps, before its engine key
     // changes or it goes: the stream and level-2 contents stay what they were.
     void detach(u32 bi, Holder& h) {
-        if (!(h.mk & (FLAG_S | FLAG_L))) return;
+        if (!(h.pf & (FLAG_S | FLAG_L))) return;
         u64 rk = blocks_[bi].rk;
-        if (h.mk & FLAG_S) {
-            Stream* st = stream(stream_id(h.pod, h.model, hrank(h)));
+        if (h.pf & FLAG_S) {
+            Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h)));
             st->t.erase(h.ek);
-            h.mk &= (uint16_t)~FLAG_S;
+            h.pf &= (uint16_t)~FLAG_S;
             *st->x.emplace(h.ek).first = rk;
         }
-        if (h.mk & FLAG_L) {
-            Engine* em = engine_map(h.model);
+        if (h.pf & FLAG_L) {
+            Engine* em = engine_map(hmodel(h));
             em->t.erase(h.ek);
-            h.mk &= (uint16_t)~FLAG_L;
+            h.pf &= (uint16_t)~FLAG_L;
             EngineRef* e = em->x.emplace(h.ek).first;
             e->rk = rk;
             e->refs = 1;
@@ -1531,13 +1600,13 @@ class IndexCore {
         uint16_t rid = rank_find(rank);
         if (rid == NO_RID) return NIL;
         for (size_t i = 0; i < b.hs.size(); ++i)
-            if (b.hs[i].pod == ps && b.hs[i].rid == rid) return i;
+            if (b.hs[i].pod() == ps && attrs_[b.hs[i].at].rid == rid) return i;
         return NIL;
     }
 
     static bool has_pod(const Block& b, uint16_t ps) {
         for (const Holder& h : b.hs)
-            if (h.pod == ps) return true;
+            if (h.pod() == ps) return true;
         return false;
     }
 
@@ -1558,7 +1627,7 @@ class IndexCore {
 
     void touch_locked(const u64* keys, size_t n) {
         for (size_t k = 0; k < n; ++k) {
-            const u32* bi = rk_map_.find_ptr(keys[k]);
+            Found bi = rk_map_.find_ptr(keys[k]);
             if (!bi || *bi == lru_tail_) continue;
             u32 i = *bi;
             lru_unlink(i);
@@ -1572,7 +1641,7 @@ class IndexCore {
             i = free_.back();
             free_.pop_back();
         } else {
-            if (blocks_.size() >= NIL - 1) throw std::length_error("index full");
+            if (blocks_.size() >= MAX_BLOCKS) throw std::length_error("index full (134,217,727 blocks)");
             i = (u32)blocks_.size();
             size_t cap = blocks_.capacity();
             blocks_.emplace_back();
@@ -1596,7 +1665,7 @@ class IndexCore {
     // Remove holder h of block bi; drops the block when no holder is left.
     void erase_holder(u32 bi, size_t h) {
         Block& b = blocks_[bi];
-        uint16_t ps = b.hs[h].pod;
+        uint16_t ps = b.hs[h].pod();
         detach(bi, b.hs[h]);
         b.hs.erase(h);
         if (!has_pod(b, ps)) --pod_blocks_[ps];
@@ -1627,9 +1696,9 @@ class IndexCore {
         bool has = s_find(st, ek, cur);
         if (!has || cur != rk) {
             if (has) s_erase_if(st, ek, cur);
-            if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_S)) {
+            if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_S)) {
                 st.t.insert(ek, bi);
-                hd.mk |= FLAG_S;
+                hd.pf |= FLAG_S;
             } else {
                 *st.x.emplace(ek).first = rk;
             }
@@ -1638,7 +1707,7 @@ class IndexCore {
                 if (!em) {
                     engines_.emplace_back(mid, Engine());
                     em = &engines_.back().second;
-                    em->t.key() = HolderKey{&blocks_, 0, 0, mid, FLAG_L, false};
+                    em->t.key() = HolderKey{&blocks_, &attrs_, 0, 0, mid, FLAG_L, false};
                 }
                 if (EngineRef* v = em->x.find(ek)) {
                     v->rk = rk;
@@ -1648,9 +1717,9 @@ class IndexCore {
                     EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
                     e->refs = 2;
-                } else if (hd.model == mid && hd.ek == ek && !(hd.mk & FLAG_L) && !em->t.key().holder(bi)) {
+                } else if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_L) && !em->t.key().holder(bi)) {
                     em->t.insert(ek, bi);
-                    hd.mk |= FLAG_L;
+                    hd.pf |= FLAG_L;
                 } else {
                     EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
@@ -1668,7 +1737,7 @@ class IndexCore {
             if (s_find(*stp, ek, old_rk) && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
         }
         Stream& st = stream_mk(sid);
-        const u32* bip = rk_map_.find_ptr(rk);
+        Found bip = rk_map_.find_ptr(rk);
         u32 bi;
         if (!bip) {
             bi = new_block(rk);
@@ -1684,7 +1753,7 @@ class IndexCore {
         size_t h = find_holder(b, ps, rank);
         if (h == NIL) {
             if (!has_pod(b, ps)) ++pod_blocks_[ps];
-            b.hs.push_back(Holder{ek, ps, mid, rank_id(rank), mask_id(bit)});
+            b.hs.push_back(Holder{ek, ps, attr_id(mid, rank_id(rank), bit)});
             h = b.hs.size() - 1;
         } else {
             Holder& hd = b.hs[h];
@@ -1700,15 +1769,17 @@ class IndexCore {
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
     bool drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
-        const u32* bip = rk_map_.find_ptr(rk);
+        Found bip = rk_map_.find_ptr(rk);
         if (!bip) return false;
         u32 bi = *bip;
         Block& b = blocks_[bi];
         size_t h = find_holder(b, ps, rank);
         if (h == NIL || !(hmask(b.hs[h]) & bit)) return false;
-        set_hmask(b.hs[h], hmask(b.hs[h]) & ~bit);
-        if (hmask(b.hs[h]) == 0) {
-            uint16_t hm = b.hs[h].model;
+        u64 left = hmask(b.hs[h]) & ~bit;
+        if (left) {
+            set_hmask(b.hs[h], left);
+        } else {
+            uint16_t hm = hmodel(b.hs[h]);
             Stream* st = stream(stream_id(ps, hm, rank));
             if (st && s_erase_if(*st, ek, rk)) unref_engine(ek, hm);
             erase_holder(bi, h);
@@ -1723,12 +1794,12 @@ class IndexCore {
         std::vector<uint16_t> seen;
         for (size_t k = 0; k < b.hs.size(); ++k) {
             Holder h = b.hs[k];
-            if (std::find(seen.begin(), seen.end(), h.pod) == seen.end()) {
-                seen.push_back(h.pod);
-                --pod_blocks_[h.pod];
+            if (std::find(seen.begin(), seen.end(), h.pod()) == seen.end()) {
+                seen.push_back(h.pod());
+                --pod_blocks_[h.pod()];
             }
-            if (Stream* st = stream(stream_id(h.pod, h.model, hrank(h))))
-                if (s_erase_if(*st, h.ek, rk)) unref_engine(h.ek, h.model);
+            if (Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h))))
+                if (s_erase_if(*st, h.ek, rk)) unref_engine(h.ek, hmodel(h));
         }
         free_block(bi);
         ++c_evictions_;
@@ -1746,34 +1817,49 @@ class IndexCore {
             if (!pod_names_[p].empty()) maybe_release(p);
     }
 
-    // Interned tier masks and DP ranks of the holders (append-only; id -> value).
+    // Interned DP ranks of the holders (append-only; id -> value).
     static constexpr uint16_t NO_RID = 0xFFFF;
-    std::vector<u64> mask_vals_{0};
-    std::unordered_map<u64, uint16_t> mask_ids_{{0, 0}};
-    uint16_t bit_ids_[64] = {};  // mask id of each one-bit mask (0: not interned yet)
     std::vector<int32_t> rank_vals_;
     std::unordered_map<int32_t, uint16_t> rank_ids_;
     int32_t last_rank_ = 0;
     uint16_t last_rid_ = NO_RID;
 
-    u64 hmask(const Holder& h) const { return mask_vals_[h.mk & MK_ID]; }
-    int32_t hrank(const Holder& h) const { return rank_vals_[h.rid]; }
-    void set_hmask(Holder& h, u64 m) { h.mk = (uint16_t)((h.mk & ~MK_ID) | mask_id(m)); }
+    u64 hmask(const Holder& h) const { return attrs_[h.at].mask; }
+    int32_t hrank(const Holder& h) const { return rank_vals_[attrs_[h.at].rid]; }
+    uint16_t hmodel(const Holder& h) const { return attrs_[h.at].model; }
+    void set_hmask(Holder& h, u64 m) {
+        Attr a = attrs_[h.at];
+        h.at = attr_id(a.model, a.rid, m);
+    }
 
-    uint16_t mask_id(u64 m) {
-        bool one = m && !(m & (m - 1));
-        if (one && bit_ids_[__builtin_ctzll(m)]) return bit_ids_[__builtin_ctzll(m)];
-        auto it = mask_ids_.find(m);
-        uint16_t id;
-        if (it != mask_ids_.end()) {
-            id = it->second;
-        } else {
-            if (mask_vals_.size() > MK_ID) throw std::length_error("more than 16383 distinct tier masks");
-            id = (uint16_t)mask_vals_.size();
-            mask_vals_.push_back(m);
-            mask_ids_.emplace(m, id);
+    // The interned (model, DP rank, tier mask) of the holders (append-only; id -> value).
+    std::vector<Attr> attrs_;
+    std::unordered_map<u64, std::vector<uint16_t>> attr_ids_;  // (model, rid) -> the ids with that pair
+    struct AttrCache {
+        u64 key = ~0ULL, mask = 0;
+        uint16_t id = 0;
+    };
+    AttrCache attr_cache_[16];  // recent lookups, direct-mapped
+
+    uint16_t attr_id(uint16_t model, uint16_t rid, u64 m) {
+        u64 key = ((u64)model << 16) | rid;
+        AttrCache& c = attr_cache_[fmix64(key ^ (m * 0x9E3779B97F4A7C15ULL)) & 15];
+        if (c.key == key && c.mask == m) return c.id;
+        std::vector<uint16_t>& ids = attr_ids_[key];
+        uint16_t id = 0xFFFF;
+        for (uint16_t x : ids)
+            if (attrs_[x].mask == m) {
+                id = x;
+                break;
+            }
+        if (id == 0xFFFF) {
+            if (attrs_.size() >= 0xFFFF)
+                throw std::length_error("more than 65535 distinct (model, DP rank, tier mask) combinations");
+            id = (uint16_t)attrs_.size();
+            attrs_.push_back(Attr{m, model, rid});
+            ids.push_back(id);
         }
-        if (one) bit_ids_[__builtin_ctzll(m)] = id;
+        c = AttrCache{key, m, id};
         return id;
     }
 

@@ -384,3 +384,88 @@ def test_concurrent_readers_and_writers_end_as_the_sequential_reference():
         assert ix.lookup(U.request_keys(p)) == ref.lookup(U.request_keys(p))
     assert ix.stats() == ref.stats()
     ix.check()
+
+
+# -- 4. the block-index sets under long probe runs
+
+_M64 = (1 << 64) - 1
+
+
+def _unfmix64(h: int) -> int:
+    """The key whose fmix64 (native/native.cpp, MurmurHash3's finalizer) is ``h``."""
+    h ^= h >> 33
+    h = (h * pow(0xC4CEB9FE1A85EC53, -1, 1 << 64)) & _M64
+    h ^= h >> 33
+    h = (h * pow(0xFF51AFD7ED558CCD, -1, 1 << 64)) & _M64
+    return h ^ (h >> 33)
+
+
+def _fmix64(x: int) -> int:
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _M64
+    return x ^ (x >> 33)
+
+
+def test_sets_with_keys_sharing_home_slots_match_a_dict_model():
+    """Request and engine keys whose hashes share a home slot (runs far longer than the 31 a slot
+    records), a run wrapping past the table's end, and random keys: stores, removals, re-stores
+    and evictions leave every lookup, resolve and the internal invariants as a dict model says."""
+    assert all(_fmix64(_unfmix64(h)) == h for h in (0, 1, _M64, 0x0123456789ABCDEF))
+    rng = random.Random(7)
+    clusters = [(c << 61) + 12345 for c in range(8)] + [_M64 - 150]
+    same_home = [_unfmix64(base + i) for base in clusters for i in range(120)]
+    rks = same_home + [rng.getrandbits(64) for _ in range(1500)]
+    rng.shuffle(rks)
+    rks = list(dict.fromkeys(rks))
+    eks = [_unfmix64((rng.choice(clusters) + 1000 + i) & _M64) for i in range(len(rks))]
+    eks = list(dict.fromkeys(eks))[: len(rks)]
+    rks = rks[: len(eks)]
+    pods = ["a", "b", "c"]
+    core = _native.IndexCore(10**6, False)
+    model: dict[int, set[str]] = {}  # request key -> pods holding it
+    streams: dict[str, dict[int, int]] = {p: {} for p in pods}  # engine key -> request key
+    owner = {}
+    for i, (ek, rk) in enumerate(zip(eks, rks)):
+        p = pods[i % 3]
+        owner[ek] = (p, rk)
+        core.store_keys(p, 0, 0, [ek], [rk], 1)
+        model.setdefault(rk, set()).add(p)
+        streams[p][ek] = rk
+    core.check()
+
+    def compare() -> None:
+        core.check()
+        got = core.lookup(rks)
+        for rk, holders in zip(rks, got):
+            assert {h[0] for h in holders} == model.get(rk, set())
+        for p in pods:
+            for ek in eks[:300]:
+                # the pod's own stream, else level 2 (each engine key has one owner stream)
+                want = streams[p].get(ek, streams[owner[ek][0]].get(ek))
+                assert core.resolve(p, 0, 0, ek) == want
+        assert len(core) == len(model)
+
+    compare()
+    for ek in rng.sample(eks, len(eks) // 2):
+        p, rk = owner[ek]
+        if streams[p].pop(ek, None) is not None:
+            assert core.remove(p, 0, 0, [ek], 1) == [True]
+            model[rk].discard(p)
+            if not model[rk]:
+                del model[rk]
+    compare()
+    for ek in rng.sample(eks, len(eks) // 4):
+        p, rk = owner[ek]
+        core.store_keys(p, 0, 0, [ek], [rk], 1)
+        model.setdefault(rk, set()).add(p)
+        streams[p][ek] = rk
+    compare()
+    # an LRU bound far below the size: every store evicts the least recently used key
+    small = _native.IndexCore(100, False)
+    for ek, rk in zip(eks, rks):
+        small.store_keys("a", 0, 0, [ek], [rk], 1)
+    small.check()
+    assert len(small) == 100
+    assert [bool(h) for h in small.lookup(rks)] == [i >= len(rks) - 100 for i in range(len(rks))]

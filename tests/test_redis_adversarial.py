@@ -212,7 +212,9 @@ def test_expired_held_entries_leave_no_pod(redis_url):
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-@given(prefix=st.sampled_from(["kv?:", "kv*:", "kv[ab]:", "kv\\", "k[^x]:", "*"]) | st.text(min_size=1, max_size=5))
+# any text a key prefix may be (the constructor rejects NUL: tested in its own test)
+@given(prefix=st.sampled_from(["kv?:", "kv*:", "kv[ab]:", "kv\\", "k[^x]:", "*"])
+       | st.text(st.characters(blacklist_characters="\0"), min_size=1, max_size=5))
 def test_drop_all_deletes_only_its_prefix(redis_url, prefix):
     client = redis.Redis.from_url(redis_url)
     client.flushall()
@@ -227,6 +229,13 @@ def test_drop_all_deletes_only_its_prefix(redis_url, prefix):
     assert all(client.exists(o) for o in others)
     assert not [k for k in client.keys() if k.startswith(prefix.encode())]
 
+
+
+@pytest.mark.parametrize("prefix", ["", "\0", "kv\0:"])
+def test_a_key_prefix_that_is_empty_or_holds_nul_is_refused(redis_url, prefix):
+    client = redis.Redis.from_url(redis_url)
+    with pytest.raises(ValueError, match="key_prefix"):
+        RedisKVBlockIndex(U.tp, client=client, key_prefix=prefix)
 
 # -- 5. the decode-retained store during an outage
 

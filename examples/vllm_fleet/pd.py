@@ -29,9 +29,13 @@ Typical use::
 from __future__ import annotations
 
 import json
+import random
+import time
 from typing import Any
 
-from examples.vllm_fleet.fleet import Engine, VllmFleet, _free_ports
+from prometheus_client.parser import text_string_to_metric_families
+
+from examples.vllm_fleet.fleet import Engine, FleetError, VllmFleet, _free_ports
 
 __all__ = ["PDFleet", "kv_transfer_config"]
 
@@ -69,8 +73,14 @@ class PDFleet(VllmFleet):
         blocks_ttl: ``decoder_kv_blocks_ttl`` of D (seconds).
         startup_timeout: seconds to wait for /health (default 600: NIXL engines
             start slowly on a loaded 2-core machine).
+        warm_up_attempts: conversations :meth:`warm_up` may spend opening the
+            NIXL connections once both engines are healthy (0: no warm-up).
         **kw: the rest of :class:`VllmFleet`'s arguments (``n`` is fixed at 2).
     """
+
+    #: tokens of the warm-up prompt and of D's answer: 300 % 32 + 70 - 1 = 81 retained tokens P does not
+    #: hold, above the default pull threshold of 64
+    WARM_PROMPT, WARM_ANSWER = 300, 70
 
     def __init__(
         self,
@@ -78,12 +88,14 @@ class PDFleet(VllmFleet):
         recompute_threshold: int = 64,
         blocks_ttl: int = 480,
         startup_timeout: float = 600.0,
+        warm_up_attempts: int = 6,
         **kw: Any,
     ) -> None:
         kw.setdefault("max_model_len", 2048)
         super().__init__(2, startup_timeout=startup_timeout, **kw)
         self.recompute_threshold = recompute_threshold
         self.blocks_ttl = blocks_ttl
+        self.warm_up_attempts = warm_up_attempts
         self.side_ports = _free_ports(2)
         for engine, pod in zip(self.engines, ("prefill-0", "decode-0")):
             engine.pod = pod
@@ -110,3 +122,77 @@ class PDFleet(VllmFleet):
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_ports[engine.index])
         return env
+
+    def start(self) -> PDFleet:
+        """Start both engines, wait for /health, then :meth:`warm_up` (raises :class:`FleetError`)."""
+        super().start()
+        if self.warm_up_attempts > 0:
+            try:
+                self.warm_up(self.warm_up_attempts)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def _pulled_tokens(self, engine: Engine) -> float:
+        """``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` of ``engine``."""
+        status, raw = engine.request("GET", "/metrics", timeout=60.0)
+        if status != 200:
+            return 0.0
+        return sum(
+            s.value
+            for fam in text_string_to_metric_families(raw.decode("utf-8", "replace"))
+            for s in fam.samples
+            if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "external_kv_transfer"
+        )
+
+    def _complete(self, engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any] | None:
+        body = {
+            "model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": False, "return_token_ids": True, "kv_transfer_params": params,
+        }
+        status, raw = engine.request("POST", "/v1/completions", body, timeout=300.0)
+        return json.loads(raw) if status == 200 else None
+
+    def warm_up(self, attempts: int = 6) -> int:
+        """Open the NIXL connections in both directions with one two-turn conversation.
+
+        The first transfer between two engines starts with a NIXL handshake
+        whose reply vLLM 0.32 waits for at most 5 s (``_nixl_handshake`` in
+        vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py sets
+        ``RCVTIMEO`` 5000); on a loaded machine the reply can come later, and
+        the request that triggered it answers HTTP 500.  Later transfers reuse
+        the connection.  So before anything is measured: P prefills a prompt
+        for D (D pulls from P), D answers ``WARM_ANSWER`` tokens and retains
+        them, then P prefills the next turn pulling D's blocks (P's
+        ``external_kv_transfer`` counter must grow), and D takes that prefill
+        so P frees its blocks.  Each attempt uses new tokens.
+
+        Returns the attempts used; raises :class:`FleetError` when no attempt
+        of ``attempts`` pulled in both directions.  The engines' caches keep
+        the warm-up's blocks (they publish KV events for them).
+        """
+        p, d = self.prefill, self.decode
+        first_leg = {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+        }
+        why = "no attempt"
+        for attempt in range(1, attempts + 1):
+            rng = random.Random(f"pd-warm-up/{attempt}/{time.time_ns()}")
+            prompt = [rng.randrange(3, 600) for _ in range(self.WARM_PROMPT)]
+            a = self._complete(p, prompt, 1, dict(first_leg))
+            b = a and self._complete(d, prompt, self.WARM_ANSWER, a.get("kv_transfer_params") or {})
+            if not b or not b.get("kv_transfer_params"):
+                why = f"attempt {attempt}: D could not take P's prefill ({'P' if not a else 'D'} failed)"
+                continue
+            turn2 = prompt + list(b["choices"][0].get("token_ids") or []) + [rng.randrange(3, 600) for _ in range(40)]
+            before = self._pulled_tokens(p)
+            c = self._complete(p, turn2, 1, b["kv_transfer_params"])
+            pulled = self._pulled_tokens(p) - before
+            if c is not None and c.get("kv_transfer_params"):
+                self._complete(d, turn2, 1, c["kv_transfer_params"])  # D takes P's prefill: P frees its blocks
+            if c is not None and pulled > 0:
+                return attempt
+            why = f"attempt {attempt}: P's pull from D {'failed' if c is None else 'did not happen'}"
+        raise FleetError(f"the NIXL connections did not open in {attempts} attempts ({why})")

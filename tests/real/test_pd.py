@@ -24,7 +24,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -95,11 +95,16 @@ def max_diff(a: dict[str, float], b: dict[str, float]) -> float:
 
 
 async def two_turns(
-    session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0
+    session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0,
+    between: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[Turn, Turn, list[int], list[int]]:
-    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens."""
+    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens.
+
+    ``between``: other conversations to run between the turns; ``wait``: turn 2 starts at least
+    this many seconds after turn 1 ended (the time ``between`` took counts)."""
     prompt1 = ids(cid, 300)
     t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
+    t1_done = time.monotonic()
     assert t1.status == 200, t1.answer
     history = prompt1 + t1.output_ids
     retained = history[:-1]
@@ -113,8 +118,11 @@ async def two_turns(
     # (generous: two NIXL engines each spin a core, and the 2-core machine may be loaded)
     assert await rr.router.wait_indexed(prompt1, fleet.prefill.pod, timeout=180.0), "P's turn-1 events never indexed"
     assert await rr.router.wait_indexed(retained, fleet.decode.pod, timeout=180.0), "D's turn-1 events never indexed"
-    if wait:
-        await asyncio.sleep(wait)
+    if between is not None:
+        await between()
+    left = wait - (time.monotonic() - t1_done)
+    if left > 0:
+        await asyncio.sleep(left)
     t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
     return t1, t2, retained, prompt2
 
@@ -129,25 +137,33 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for guard in (True, False):
             async with RunningRouter(pd_router_config(fleet, guard=guard)) as rr:
-                for edit in ("none", "strip", "change") if guard else ("strip", "change"):
-                    cid = f"{edit}-{'guard' if guard else 'noguard'}"
-                    t1, t2, retained, prompt2 = await two_turns(session, rr, fleet, cid, edit)
-                    pd = rr.router.turns[-1]
-                    ref = await reference_top(session, fleet, prompt2)
-                    out[cid] = {
-                        "t1": t1,
-                        "t2": t2,
-                        "plan": pd.plan,
-                        "pd": pd,
-                        "common": common_prefix_len(retained, prompt2),
-                        "retained": len(retained),
-                        "prompt2": len(prompt2),
-                        "ref": ref,
-                        "diff": max_diff(t2.top_logprobs, ref),
-                    }
-                if guard:
-                    # (c1) D expires the entry before turn 2 (the router still offers it)
-                    _, t2, _, _ = await two_turns(session, rr, fleet, "expired", "none", wait=D_TTL - 2)
+
+                async def edits(rr: RunningRouter = rr, guard: bool = guard) -> None:
+                    for edit in ("none", "strip", "change") if guard else ("strip", "change"):
+                        cid = f"{edit}-{'guard' if guard else 'noguard'}"
+                        t1, t2, retained, prompt2 = await two_turns(session, rr, fleet, cid, edit)
+                        pd = rr.router.turns[-1]
+                        ref = await reference_top(session, fleet, prompt2)
+                        out[cid] = {
+                            "t1": t1,
+                            "t2": t2,
+                            "plan": pd.plan,
+                            "pd": pd,
+                            "common": common_prefix_len(retained, prompt2),
+                            "retained": len(retained),
+                            "prompt2": len(prompt2),
+                            "ref": ref,
+                            "diff": max_diff(t2.top_logprobs, ref),
+                        }
+
+                if not guard:
+                    await edits()
+                else:
+                    # (c1) D expires the entry before turn 2 (the router still offers it: its own TTL is
+                    # longer); the other conversations run while D's TTL runs down
+                    _, t2, _, _ = await two_turns(
+                        session, rr, fleet, "expired", "none", wait=D_TTL - 2, between=edits
+                    )
                     out["expired"] = {"t2": t2, "pd": rr.router.turns[-1]}
                     # (c2) the D holding the entry has gone away: its side channel no longer answers
                     cid = "gone"
