@@ -29,7 +29,9 @@ batch on, which makes it complete again when the replay covers the range.  (A
 later message of the stream would also reveal a gap; the next seq is not
 trusted after a drop because the dropped messages may have been a restarted
 engine's first batches, and the replay checks that the engine still holds our
-last batch.)  Bad input never raises out of a
+last batch.)  The drop also leaves a marker in the queue at the lost message's
+place, so the stream learns where it was (a restart candidate held before it
+is not confirmed by a message after it).  Bad input never raises out of a
 worker: it is counted by kind and logged at most once per kind per minute.
 """
 
@@ -289,6 +291,12 @@ class _Forget(NamedTuple):
     pod: str
 
 
+class _Dropped(NamedTuple):
+    """A message of ``pod`` was dropped here (the queue was full): the drop's place in the order."""
+
+    pod: str
+
+
 class _Disconnected(NamedTuple):
     pod: str
     dp_rank: int
@@ -331,6 +339,7 @@ class _Shard:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.pending = 0  # messages queued, guarded by pending_lock
         self.pending_lock = threading.Lock()
+        self.last_dropped: str | None = None  # the pod of the last queued drop marker, if nothing was queued since
         self.streams: dict[tuple[str, str | None, int], _Stream] = {}
         self.c = _Counters()
         self.resync: set[str] = set()  # pods that lost a message to a full queue
@@ -352,13 +361,22 @@ class _Shard:
         self.thread = threading.Thread(target=self.run, name=f"kvevents-shard-{self.n}", daemon=True)
         self.thread.start()
 
-    def offer(self, msg: RawMessage) -> bool:
-        """Queue a message unless ``queue_size`` messages are already waiting."""
+    def offer(self, msg: RawMessage, pod: str | None = None) -> bool:
+        """Queue a message unless ``queue_size`` messages are already waiting.
+
+        A message that does not fit leaves a :class:`_Dropped` marker in its
+        place (one per run of drops of a pod), so that its stream learns where
+        the lost message was: the messages queued before it are not after it.
+        """
         with self.pending_lock:
             if self.pending >= self.pool.queue_size:
+                if pod is not None and self.last_dropped != pod:
+                    self.last_dropped = pod
+                    self.queue.put(_Dropped(pod))
                 return False
             self.pending += 1
-        self.queue.put(msg)
+            self.last_dropped = None
+            self.queue.put(msg)
         return True
 
     # -- loop
@@ -406,6 +424,10 @@ class _Shard:
             item.done.set()
         elif isinstance(item, _Bootstrap):
             self._bootstrap(item)
+        elif isinstance(item, _Dropped):
+            # where the lost message was: a candidate held before it is not continued by what follows
+            for st in self._streams_of(item.pod):
+                self._run(st, st.seq.dropped(in_place=True))
         elif isinstance(item, _Disconnected):
             for st in self._streams_of(item.pod, item.dp_rank):
                 self._run(st, st.seq.disconnected())
@@ -910,7 +932,7 @@ class EventPool:
         """
         pod = msg.source.pod or parse_topic(msg.topic)[0]
         shard = self._shards[self.shard_of(pod or "")]
-        if shard.offer(msg):
+        if shard.offer(msg, pod):
             return True
         else:
             with self._lock:

@@ -41,7 +41,7 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
   asked again from the first missing seq once the replay ends (also when
   its tail, end marker included, was lost: a replay that times out after
-  applying batches), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
+  applying batches, a rebuild's included), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
   at the same hole: it is taken as lost as above).
 - A replay that fails (times out, errors) without applying anything is asked
   again (:meth:`~Sequencer.retry`, when the caller's backoff from
@@ -67,9 +67,18 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   endpoint the stream is then rebuilt from the engine's buffer from seq 0 (the
   candidate may be an older process's first batch whose successor's was
   lost).  A message that continues our own sequence instead discards the
-  candidate; another message with the candidate's seq and a different engine
-  timestamp replaces it (a still newer process).  So one hostile or corrupt
-  message (e.g. seq 2**64 - 2) can never clear a pod.
+  candidate (with an endpoint, only when it is older than the candidate:
+  a newer one may be the candidate's process having reached our seq, and the
+  engine's buffer is asked); another message with the candidate's seq and a
+  different engine timestamp replaces it (a still newer process).  Engine times order the
+  candidates (a new process's clock is later than its predecessor's): a
+  backward message not newer than our last batch is never held as a restart
+  candidate (dropped, ``unconfirmed``); a candidate is confirmed only by a
+  successor not older than itself, and an unconfirmed message older than the
+  held candidate does not replace it.  So one hostile or corrupt message
+  (e.g. seq 2**64 - 2, or our last seq with an old time) can never clear a
+  pod or be applied.  (Limit: an engine whose wall clock steps back across
+  a restart, with no replay endpoint to ask, is not seen as restarted.)
 - A message with the next seq but an engine timestamp older than the last
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
@@ -79,6 +88,17 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   been a restarted engine's first batches.  With a replay endpoint the
   stream is resynced at once (replayed from its last batch, which must still
   be the one applied), once per drop notice.
+- A replay asked from our last seq + 1 (a gap, a resync, a retry, the rest of
+  a replay) is asked from our last batch, which the same process still holds
+  with the same timestamp.  When the buffer no longer holds it (its first
+  batch is later), the buffer cannot tell our process from a new one that
+  published past our seq: the stream is cleared and rebuilt from what the
+  buffer holds, incomplete, as for a gap the buffer does not cover.
+- A backward candidate (a possible restart nobody could check) makes the
+  stream incomplete until a message decides it.  A dropped message
+  (:meth:`~Sequencer.dropped`) discards any candidate: the lost message may
+  have come between the candidate and the message that would have
+  confirmed it (a still newer process's first batch).
 - A forward jump is accepted only when the engine's buffer knows the seq: a
   gap replay (asked from our last seq) that ended normally without reaching
   the message's seq means no process published it (it is dropped, counted
@@ -258,7 +278,9 @@ class Sequencer:
     # ------------------------------------------------------------ helpers
 
     def _set_complete(self, out: list[Action], why: str) -> None:
-        c = self.exact and not self.lost and not self.broken
+        # a backward candidate is a possible restart nobody could check yet: the engine may hold
+        # nothing of what we hold, so the stream is not reported complete while it waits
+        c = self.exact and not self.lost and not self.broken and (self._candidate is None or self._candidate[0] != "back")
         if c != self.complete:
             self.complete = c
             out.append(Complete(c, why))
@@ -286,7 +308,7 @@ class Sequencer:
         self._retry = None  # this replay stands for any retry that was due
         self._r_verify = None
         self._r_restart = False
-        if op in ("gap", "resync") and self.last is not None and start == self.last + 1:
+        if self.last is not None and start == self.last + 1:
             # ask from our last batch too: the same process still has it with the same timestamp,
             # so a restart whose new seqs passed ours is caught here
             start = self.last
@@ -299,6 +321,23 @@ class Sequencer:
         out.append(Count("replay_requests"))
         out.append(Replay(start))
         return out
+
+    def _hold(self, out: list[Action], kind: str, b: Batch) -> None:
+        """Hold ``b`` as the candidate the stream's next message must continue.
+
+        A backward message whose engine time is not later than our last batch's is no new
+        process (its clock would be later): it is dropped.  Of two unconfirmed messages the
+        one with the later engine time is kept (an older one is a stale or foreign message,
+        or an older process's).
+        """
+        if kind == "back" and self.last_ts is not None and b.ts <= self.last_ts:
+            out.append(Count("unconfirmed"))
+            return
+        if self._candidate is not None and self._candidate[1].ts > b.ts:
+            out.append(Count("unconfirmed"))
+            return
+        self._candidate = (kind, b)
+        self._set_complete(out, "a backward seq awaits its confirmation" if kind == "back" else "a gap awaits its next message")
 
     def _in_hole(self, seq: int) -> bool:
         return any(lo <= seq <= hi for lo, hi in self._holes)
@@ -337,7 +376,7 @@ class Sequencer:
         cand = self._candidate
         if cand is not None:
             kind, cb = cand
-            if b.seq == cb.seq + 1:
+            if b.seq == cb.seq + 1 and b.ts >= cb.ts:
                 self._candidate = None
                 if kind == "back" and self.has_replay:
                     # the endpoint could not be asked when the candidate came; it is the authority:
@@ -368,6 +407,17 @@ class Sequencer:
             if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
                 out.append(Count("duplicates"))
                 return out  # the same message again
+            if (
+                kind == "back" and self.has_replay and self.last is not None and b.seq == self.last + 1
+                and b.ts > cb.ts
+            ):
+                # our next seq, but newer than the candidate (itself newer than our last batch): the
+                # candidate's process may have reached our seq, its batches between lost; the
+                # engine's buffer decides (a replay from our last batch checks the process)
+                self._candidate = None
+                out.append(Count("unconfirmed"))
+                self._pending = b
+                return self._start_replay(out, "gap", self.last + 1)
             if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
                 # our sequence continues (the candidate was not the engine's), or another message
                 # with the candidate's seq: a still newer process starting over, judged below as a
@@ -426,7 +476,7 @@ class Sequencer:
         if self.has_replay:
             self._pending = b
             return self._start_replay(out, "gap", self.last + 1)
-        self._candidate = ("fwd", b)
+        self._hold(out, "fwd", b)
         return out
 
     def _fresh(self, b: Batch) -> list[Action]:
@@ -464,7 +514,7 @@ class Sequencer:
             out.append(Count("replay_requests"))
             out.append(Confirm(self.last))  # type: ignore[arg-type]
             return out
-        self._candidate = ("back", b)
+        self._hold(out, "back", b)
         return out
 
     def replayed(self, b: Batch | None, seq: int | None = None) -> list[Action]:
@@ -486,6 +536,11 @@ class Sequencer:
             self._clear(out, f"the engine's batch {s} is not the one applied: a new process")
             self._r_restart = True
             return out
+        if first and self._r_verify is not None and s > self._r_verify[0] and self.last is not None:
+            # the buffer no longer holds our last batch, so it cannot tell us whether this is still
+            # our process (a new one that published past our seq looks the same): what we hold
+            # cannot be trusted; rebuilt from what the buffer holds (incomplete, judged below)
+            self._clear(out, f"the engine's buffer starts at {s}, after our last batch {self._r_verify[0]}")
         if b is None:
             return out  # a hole: the next readable batch will show it
         if self._r_hole:
@@ -561,7 +616,7 @@ class Sequencer:
             return self._start_replay(out, self._op, self.last + 1)  # type: ignore[arg-type, operator]
         if (
             not ok and self.MAX_HOLE_RETRIES > 0 and progressed
-            and self._op in ("gap", "fresh", "bootstrap", "resync")
+            and self._op in ("gap", "fresh", "bootstrap", "resync", "restart")
         ):
             # the replay stopped after making progress: its tail (end marker included) was lost on
             # the way, as a hole with nothing after it; ask again from the first missing seq
@@ -614,7 +669,7 @@ class Sequencer:
                     # buffers a batch as it publishes it); its next message starts the stream
                     out.append(Count("unconfirmed"))
                 else:
-                    self._candidate = ("fwd", pending)  # could not ask: the next message must continue it
+                    self._hold(out, "fwd", pending)  # could not ask: the next message must continue it
             elif pending.seq <= self.last:
                 if self._replayed.get(pending.seq) == pending.ts:
                     out.append(Count("duplicates"))
@@ -629,7 +684,7 @@ class Sequencer:
                 out.append(Count("unconfirmed"))  # beyond the engine's newest batch
             else:
                 # no buffer to check against (or the check failed): the next message decides
-                self._candidate = ("fwd", pending)
+                self._hold(out, "fwd", pending)
         self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
         return out
 
@@ -665,9 +720,9 @@ class Sequencer:
             out.append(Count("replay_failures"))
             if pending is not None:
                 if op == "confirm-live" and pending.seq > (self.last or 0):
-                    self._candidate = ("fwd", pending)
+                    self._hold(out, "fwd", pending)
                 else:
-                    self._candidate = ("back", pending)
+                    self._hold(out, "back", pending)
             else:
                 self.lost = True
                 if op == "confirm-reconnect" and self.has_replay and self.last is not None and not self._gave_up:
@@ -694,13 +749,30 @@ class Sequencer:
         self._pending = pending
         return self._start_replay(out, "restart", 0)
 
-    def dropped(self) -> list[Action]:
-        """A message of this pod was dropped (full queue): the stream may miss batches."""
+    def dropped(self, in_place: bool = False) -> list[Action]:
+        """A message of this pod was dropped (full queue): the stream may miss batches.
+
+        ``in_place``: the notice comes at the lost message's place in the order
+        (after the messages queued before it), following an earlier notice the
+        shard gave as soon as it saw the drop: it only discards a candidate held
+        since (the earlier notice marked the stream and asked for its resync).
+        """
         out: list[Action] = []
+        if in_place:
+            if self._candidate is not None:
+                self._candidate = None
+                out.append(Count("unconfirmed"))
+                self._set_complete(out, "message dropped")
+            return out
+        if self._candidate is not None:
+            # the dropped message may have come between the candidate and its successor (e.g. a
+            # still newer process's first batch): the next message no longer confirms it
+            self._candidate = None
+            out.append(Count("unconfirmed"))
         if self.last is not None:
             self.lost = True
             self._resync_due = True
-            self._set_complete(out, "message dropped")
+        self._set_complete(out, "message dropped")
         return out
 
     def disconnected(self) -> list[Action]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given, settings
 
-from kvevents.sequencer import Apply, Batch, Complete, Confirm, Count, Replay, Sequencer
+from kvevents.sequencer import Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 
 
 def b(seq: int, ts: float | None = None) -> Batch:
@@ -279,3 +279,161 @@ def test_a_duplicate_of_the_candidate_keeps_it() -> None:
     assert counts(s.live(b(0, ts=900.0))) == {"duplicates": 1}
     out = s.live(b(1, ts=900.5))
     assert counts(out).get("restarts") == 1 and out[-1] == Replay(0)
+
+
+# ---------------------------------------------------------------- compound faults found by the sequencer's world model
+# (tests/test_sequencer_world.py); each is the shrunk interleaving
+
+
+def test_a_gap_replay_whose_buffer_starts_after_our_last_batch_clears_the_stream() -> None:
+    """An unnoticed restart while the endpoint is down; the new process's seq 1 is dropped; its
+    seq 2 shows a gap.  The gap replay asks from our last batch (0) to check the process, but the
+    engine's short buffer holds only the new process's 1 and 2: seq 1 = our last + 1 used to be
+    applied as if it continued the old process, whose blocks then stayed in the index.  The
+    buffer cannot vouch for our last batch: the stream is rebuilt from what it holds."""
+    s = started(1)
+    out = s.live(b(0, ts=2000.0))  # the new process's seq 0
+    assert out[-1] == Confirm(0)
+    s.confirmed(None)  # the endpoint does not answer: held as a candidate
+    s.dropped()  # its seq 1 lost to a full queue
+    out = s.live(b(2, ts=2000.2))
+    assert out[-1] == Replay(0)
+    out = s.replayed(b(1, ts=2000.1))  # the buffer (2 batches) no longer holds any seq 0
+    assert any(type(a) is Clear for a in out) and applied(out) == [1]
+    out += s.replayed(b(2, ts=2000.2))
+    out += s.replay_end(True)
+    assert s.last == 2 and s.last_ts == 2000.2 and not s.complete
+    assert counts(out).get("gaps_unrecovered") == 1
+
+
+def test_the_same_process_whose_buffer_moved_past_our_last_batch_is_rebuilt_not_trusted() -> None:
+    s = started(3)
+    out = s.live(b(9))
+    assert out[-1] == Replay(2)
+    out = s.replayed(b(3))  # batch 2 is gone: the process cannot be told from a new one
+    assert any(type(a) is Clear for a in out) and applied(out) == [3]
+    for k in range(4, 10):
+        s.replayed(b(k))
+    s.replay_end(True)
+    assert s.last == 9 and not s.complete
+
+
+def test_a_backward_seq_that_could_not_be_checked_makes_the_stream_incomplete_until_decided() -> None:
+    """An unnoticed restart while the endpoint is down: the stream used to stay complete
+    (the engine holding nothing of it) until a next message decided."""
+    s = started(3)
+    out = s.live(b(0, ts=2000.0))
+    assert out[-1] == Confirm(2)
+    out = s.confirmed(None)
+    assert not s.complete and Complete(False, "a backward seq awaits its confirmation") in out
+    # a message continuing our own sequence shows it was not the engine's: complete again
+    out = s.live(b(3))
+    assert applied(out) == [3] and s.complete
+
+
+def test_a_drop_between_a_candidate_and_its_successor_does_not_confirm_it() -> None:
+    """Retries ran out while the endpoint was down; the first message of a new process became a
+    candidate; a still newer process's seq 0 was dropped (the pool noticed) and its seq 1 used to
+    confirm the candidate: two processes' batches applied as one, reported complete."""
+    s = Sequencer(True, max_retries=0)
+    out = s.live(b(0, ts=1000.0))
+    assert out[-1] == Replay(0)
+    s.replay_end(False)  # gave up at once (no retries)
+    out = s.live(b(0, ts=2000.0))  # an unnoticed restart
+    assert out[-1] == Replay(0)
+    s.replay_end(False)  # still down: held as a candidate the next message must continue
+    out = s.dropped()  # a third process's seq 0 was lost to a full queue
+    assert counts(out).get("unconfirmed") == 1
+    out = s.live(b(1, ts=3000.1))  # ... and its seq 1 arrives
+    assert applied(out) == [] and out[-1] == Replay(0)  # judged on its own: the engine's buffer is asked
+    s.replayed(b(0, ts=3000.0))
+    s.replayed(b(1, ts=3000.1))
+    s.replay_end(True)
+    assert s.complete and s.last_ts == 3000.1
+
+
+def test_a_rebuild_replay_whose_tail_is_lost_is_asked_again_not_left_complete() -> None:
+    """A rebuild (the index lost writes) whose replay stops after a few batches (the rest and
+    the end marker lost): the stream used to be reported complete at the last batch it got,
+    forever if the engine publishes nothing more."""
+    s = started(5)
+    s.index_failed()
+    assert s.idle()[-1] == Replay(0)
+    s.replayed(b(0))
+    s.replayed(b(1))
+    out = s.replay_end(False)  # timed out
+    assert out[-1] == Replay(1) and counts(out).get("replay_holes") == 1  # from our last batch, checked
+    for k in range(1, 5):
+        s.replayed(b(k))
+    s.replay_end(True)
+    assert s.complete and s.last == 4
+
+
+def test_without_replay_one_backward_message_older_than_our_last_batch_neither_clears_nor_applies() -> None:
+    """A foreign or corrupt message at our last seq, with an older engine time, used to be held as
+    a restart candidate that the engine's next batch confirmed: the pod was cleared and the
+    message applied.  A new process's clock is later than our last batch's."""
+    s = Sequencer(False)
+    for k in range(3):
+        s.live(b(k))
+    out = s.live(Batch(2, 1.0))
+    assert counts(out) == {"unconfirmed": 1} and s.complete
+    out = s.live(b(3))
+    assert applied(out) == [3] and not any(type(a) is Clear for a in out) and s.complete
+
+
+def test_a_candidate_is_not_confirmed_by_an_older_message_nor_replaced_by_one() -> None:
+    """Retries ran out; a new process's seq 0 waits as a candidate; a foreign message with seq 1
+    and an old engine time came next and used to confirm it (both applied, the stream complete)."""
+    s = Sequencer(True, max_retries=0)
+    s.live(b(0, ts=1000.0))
+    s.replay_end(False)  # gave up
+    assert s.live(b(0, ts=2000.0))[-1] == Replay(0)
+    s.replay_end(False)  # candidate 0@2000
+    out = s.live(Batch(1, 1.0))  # not its successor: judged on its own
+    assert applied(out) == [] and out[-1] == Replay(0)
+    out = s.replay_end(False)
+    assert counts(out).get("unconfirmed") == 1  # the older message does not replace the candidate
+    out = s.live(b(1, ts=2000.1))  # the engine's own next batch confirms it
+    assert applied(out) == [0, 1] and s.last_ts == 2000.1
+
+
+def test_a_drop_marker_after_a_candidate_queued_before_it_discards_the_candidate() -> None:
+    """The shard notices a drop before the messages queued ahead of the lost one: a new
+    process's seq 0 queued before the drop became a candidate only after that early notice,
+    and a still newer process's seq 1 (after the lost seq 0) confirmed it.  The marker the pool
+    leaves at the lost message's place discards it (retries spent, endpoint down)."""
+    s = Sequencer(True, max_retries=0)
+    s.live(b(0, ts=1000.0))
+    s.replay_end(False)  # gave up at once
+    s.dropped()  # the early notice: the stream holds nothing yet
+    assert s.live(b(0, ts=2000.0))[-1] == Replay(0)  # queued before the drop
+    s.replay_end(False)  # held as a candidate
+    out = s.dropped(in_place=True)  # the marker at the lost message's place
+    assert counts(out) == {"unconfirmed": 1}
+    out = s.live(b(1, ts=3000.1))
+    assert applied(out) == [] and out[-1] == Replay(0)
+
+
+def test_an_in_place_drop_notice_alone_asks_nothing() -> None:
+    s = started(3)
+    assert s.dropped(in_place=True) == [] and s.complete
+
+
+def test_our_next_seq_newer_than_a_backward_candidate_is_checked_not_applied() -> None:
+    """An unnoticed restart while the endpoint is down: the new process's seq 0 waits as a
+    candidate, its seq 1 is lost, and its seq 2 = our last + 1 used to discard the candidate
+    and be applied as our old process's next batch (found by the engine-model test)."""
+    s = started(2)  # 0@100, 1@101
+    assert s.live(b(0, ts=2000.0))[-1] == Confirm(1)
+    s.confirmed(None)
+    out = s.live(b(2, ts=2000.2))
+    assert applied(out) == [] and out[-1] == Replay(1)
+    out = s.replayed(b(1, ts=2000.1))  # the engine's batch 1 is not ours: a new process
+    assert counts(out).get("restarts") == 1
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0)
+    for k in range(3):
+        s.replayed(b(k, ts=2000.0 + k / 10))
+    s.replay_end(True)
+    assert s.complete and s.last == 2 and s.last_ts == 2000.2

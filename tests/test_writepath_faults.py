@@ -575,3 +575,21 @@ def test_completeness_through_the_indexer_facade() -> None:
         assert ix.flush(10)
         assert ix.completeness("p")[0].complete  # a clear makes the engine's state known
         assert ix.stats().events.incomplete_streams == 0
+
+
+def test_a_dropped_message_leaves_one_marker_at_its_place_in_the_queue() -> None:
+    """The shard learns where a message was lost (kvevents.pool._Shard.offer): one marker per
+    run of drops of a pod, after the messages queued before it and before the ones after it."""
+    from kvevents.pool import _Dropped
+
+    index = KVBlockIndex(TokenProcessor(block_size=4))
+    pool = EventPool(index, concurrency=1, queue_size=2)  # not started: the queue only fills
+    src = Source(pod="pod-a")
+    msg = RawMessage(src, b"kv@pod-a@m", seq_frame(0), b"")
+    assert [pool.submit(msg) for _ in range(4)] == [True, True, False, False]
+    shard = pool._shards[0]
+    items = []
+    while not shard.queue.empty():
+        items.append(shard.queue.get_nowait())
+    assert items[:2] == [msg, msg] and items[2:] == [_Dropped("pod-a")]
+    assert pool.stats().dropped_messages == 2
