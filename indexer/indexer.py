@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
+from itertools import repeat
 
 import msgspec
 import numpy as np
@@ -163,6 +164,9 @@ class Indexer:
         self._empty_prefix: dict[str, PrefixScore] = {}  # pod -> its no-match score (immutable)
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
+        self._model_seen: set[str | None] = set()
+        # the compiled index's match_tokens also answers best_dp_rank for most pods (dp_ranks=)
+        self._match_ranks = bool(getattr(type(self.index), "match_tokens_dp_ranks", False))
         self.metrics = KVIndexMetrics(self)
 
     # -- lifecycle
@@ -308,11 +312,14 @@ class Indexer:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
         t0 = time.perf_counter()
-        if getattr(self.index, "match_tokens", None) is None or block_extra_keys is not None or cache_salt:
+        match_tokens = getattr(self.index, "match_tokens", None)
+        if match_tokens is None or block_extra_keys is not None or cache_salt:
+            match_tokens = None
             keys = self.request_keys(
                 tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
             )
-        self._check_model(model if model is not None else self.config.model_name)
+        mname = model if model is not None else self.config.model_name
+        self._check_model(mname)
         if loads is None:
             loads = self.loads()
         elif not isinstance(loads, Mapping) or not all(
@@ -322,16 +329,19 @@ class Indexer:
         if pods is None:
             candidates = sorted(self.index.pods() | set(loads))
         else:
-            if isinstance(pods, (str, bytes)) or not all(isinstance(p, str) for p in pods):
+            if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
                 raise TypeError("pods must be a collection of pod ids (str)")
             candidates = list(dict.fromkeys(pods))
-        match_tokens = getattr(self.index, "match_tokens", None)
-        if match_tokens is not None and block_extra_keys is None and not cache_salt:
-            # the compiled read path: keys and every candidate's match in one call
-            keys, summary = match_tokens(
-                tokens, candidates, self._bit_weights(),
-                model=model if model is not None else self.config.model_name, lora=lora,
-            )
+        ranks: dict[str, int] | None = None
+        if match_tokens is not None:
+            # the compiled read path: keys and every candidate's match in one call (and, from the
+            # compiled index, the DP rank of each pod whose match one rank holds)
+            if self._match_ranks:
+                ranks = {}
+                keys, summary = match_tokens(
+                    tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
+            else:
+                keys, summary = match_tokens(tokens, candidates, self._bit_weights(), model=mname, lora=lora)
             prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
                 p: PrefixScore(pod=p) for p in candidates}
         else:
@@ -341,7 +351,9 @@ class Indexer:
             )
         choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
         if choice is not None and prefix[choice.pod].matched_blocks:
-            rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
+            rank = ranks.get(choice.pod) if ranks else None
+            if rank is None:
+                rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
             if rank is not None:
                 choice = msgspec.structs.replace(choice, dp_rank=rank)
         self.metrics.observe_score(
@@ -406,10 +418,12 @@ class Indexer:
     def _check_model(self, model: str | None) -> None:
         """Warn once when scoring a model no event has stored blocks for: keys are
         scoped by model, so a name that differs from the engines' topics matches nothing."""
-        if self.token_processor.engine_compatible or model in self._model_warned:
+        if model in self._model_seen or self.token_processor.engine_compatible or model in self._model_warned:
             return
         seen = self.index.models()
-        if seen and model not in seen:
+        if model in seen:
+            self._model_seen.add(model)  # an index forgets no model: never asked again
+        elif seen:
             self._model_warned.add(model)
             log.warning(
                 "scoring for model %r, but the engines' events name %s: keys are scoped by model, so "

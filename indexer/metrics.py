@@ -5,9 +5,11 @@
 what the library already counts (:meth:`Indexer.stats`,
 :meth:`kvevents.EventPool.stream_counters`, :meth:`Indexer.completeness`,
 the index's ``tier_stats()``), so the write path pays nothing for them; two
-histograms are observed on the read path by :meth:`Indexer.score` (one
-``observe`` each: prometheus_client's Histogram, a few microseconds; score()
-with and without them, interleaved, measured within noise of each other).
+histograms are observed on the read path by :meth:`Indexer.score`: the call
+appends its two values to a queue (well under a microsecond) and the queue is
+folded into prometheus_client's Histograms when they are collected (or a few
+values per score while more than :data:`PENDING_MAX` wait, so the queue stays
+bounded without a scrape and no score pays for many).
 
 Mount it in the registry your router serves::
 
@@ -24,6 +26,7 @@ by a test.  Labels: ``pod``, ``model`` (empty when the topic names none),
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -34,7 +37,10 @@ from prometheus_client.registry import Collector, CollectorRegistry
 if TYPE_CHECKING:
     from indexer.indexer import Indexer
 
-__all__ = ["KVIndexMetrics", "METRICS", "SCORE_SECONDS_BUCKETS", "COVERAGE_BUCKETS"]
+__all__ = ["KVIndexMetrics", "METRICS", "SCORE_SECONDS_BUCKETS", "COVERAGE_BUCKETS", "PENDING_MAX"]
+
+PENDING_MAX = 4096
+"""Score observations queued for the histograms beyond which each score folds a few of them."""
 
 SCORE_SECONDS_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0,
@@ -146,6 +152,9 @@ class KVIndexMetrics(Collector):
             "kvindex_score_chosen_coverage", METRICS["kvindex_score_chosen_coverage"][2],
             buckets=COVERAGE_BUCKETS, registry=None,
         )
+        # (seconds, coverage or None) per score, folded into the histograms by _fold; a deque is
+        # never replaced, and its append and popleft are atomic, so concurrent scores lose nothing
+        self._pending: deque[tuple[float, float | None]] = deque()
 
     def register(self, registry: CollectorRegistry) -> KVIndexMetrics:
         """Register in ``registry``; ValueError if it already holds these names."""
@@ -153,10 +162,27 @@ class KVIndexMetrics(Collector):
         return self
 
     def observe_score(self, seconds: float, coverage: float | None) -> None:
-        """Record one :meth:`Indexer.score` call: its duration and the chosen pod's coverage (None: no choice)."""
-        self.score_seconds.observe(seconds)
-        if coverage is not None:
-            self.chosen_coverage.observe(coverage)
+        """Record one :meth:`Indexer.score` call: its duration and the chosen pod's coverage (None: no choice).
+
+        Queued; the histograms see it at the next collect (see the module notes).
+        """
+        pending = self._pending
+        pending.append((seconds, coverage))
+        if len(pending) > PENDING_MAX:
+            self._fold(8)
+
+    def _fold(self, limit: int | None = None) -> None:
+        """Observe queued score values in the histograms (at most ``limit``; None: all)."""
+        pending, sec, cov = self._pending, self.score_seconds, self.chosen_coverage
+        n = len(pending) if limit is None else limit
+        for _ in range(n):
+            try:
+                seconds, coverage = pending.popleft()
+            except IndexError:
+                return
+            sec.observe(seconds)
+            if coverage is not None:
+                cov.observe(coverage)
 
     def describe(self) -> list[Metric]:
         """Families by name (empty samples), so a registry can detect name clashes at register time."""
@@ -280,6 +306,7 @@ class KVIndexMetrics(Collector):
             yield te
 
         # read path
+        self._fold()
         yield from self.score_seconds.collect()
         yield from self.chosen_coverage.collect()
 

@@ -31,11 +31,20 @@ Where the work happens:
   those own.
 
 Locking: the core has one shared mutex (readers share it, a writer holds it
-alone; the recency refresh of a match takes it briefly after the walk), and
-every call into it releases the GIL.  Every public method here also holds one
-Python lock for the whole method, as the reference does, so a reader never
-sees half of an event (its parent resolved, its blocks stored, its orphans
-released) and other Python threads run while the core works.
+alone; the recency refresh of a match is logged by the reader and applied by
+the next exclusive section, before it changes anything, so evictions happen
+in the reference's order), and every call into it releases the GIL.  Writers
+and the reads that involve Python-side tables (speculative and held entries)
+hold one Python lock for the whole method, as the reference does.  The plain
+reads of the read path (:meth:`match_tokens`, :meth:`prefix_summary`,
+:meth:`prefix_match`, :meth:`best_dp_rank` while no speculative or held entry
+exists) do not take it, so a score never waits for a writer's whole batch,
+only for the core's exclusive sections.  A reader still never sees half of
+an event: an event applied in several core calls (a store that releases
+orphans) is marked in the core (``begin_multi``/``end_multi``) and in
+``_wgen``; a read that meets the mark waits for the event on the Python lock
+and reads again (the core answers a guarded touching read with None before
+it touches anything).
 """
 
 from __future__ import annotations
@@ -80,6 +89,8 @@ class NativeKVBlockIndex(SideTables):
     with blocks at once and 2**27 - 2 request keys (capacity is capped there).
     """
 
+    match_tokens_dp_ranks = True  # match_tokens takes dp_ranks= (indexer.Indexer.score asks it)
+
     def __init__(
         self,
         token_processor: TokenProcessor | None = None,
@@ -100,6 +111,7 @@ class NativeKVBlockIndex(SideTables):
         self._clock = clock
         self._core = _native.IndexCore(min(capacity, 2**27 - 2), self._compat)
         self._lock = threading.RLock()  # writers, orphans, speculative entries
+        self._wgen = 0  # odd while a writer applies one event in several core calls (see Locking)
         # compat mode chains nothing: the core takes the block size from a K of that length
         self._ones_k = np.ones(self.block_size, dtype=np.uint64)
         if not self._compat:
@@ -323,6 +335,11 @@ class NativeKVBlockIndex(SideTables):
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
+        cands = None if pods is None else list(pods)
+        if not (self._spec_order or self._spec_by_pod or self._held):
+            out = self._core.prefix_match(keys, cands, True, True)
+            if out is not None:
+                return _lists(out)
         with self._lock:
             if self._spec_order:
                 self._expire(self._clock())
@@ -369,13 +386,17 @@ class NativeKVBlockIndex(SideTables):
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
-        with self._lock:
-            if self._spec_by_pod or self._held:
-                return _summarise(self.prefix_match(keys, pods), list(weights))
-            rows, _longest = self._core.prefix_summary(
-                keys, None if pods is None else list(pods), list(weights), True
-            )
-        return {pod: (n, w, u) for pod, n, w, u in rows}
+        cands = None if pods is None else list(pods)
+        w = list(weights)
+        res = None
+        if not (self._spec_by_pod or self._held):
+            res = self._core.prefix_summary(keys, cands, w, True, True)
+        if res is None:
+            with self._lock:
+                if self._spec_by_pod or self._held:
+                    return _summarise(self.prefix_match(keys, pods), w)
+                res = self._core.prefix_summary(keys, cands, w, True)
+        return res[0]
 
     def match_tokens(
         self,
@@ -385,13 +406,17 @@ class NativeKVBlockIndex(SideTables):
         *,
         model: str | None = None,
         lora: str | tuple[str, str] | None = None,
+        dp_ranks: dict[str, int] | None = None,
     ) -> tuple[np.ndarray, dict[str, tuple[int, float, int]]]:
         """The read path in one compiled call: request keys of ``tokens`` and their prefix summary.
 
         Returns (``token_processor.request_keys(tokens, model=, lora=)``,
         :meth:`prefix_summary` of those keys).  Only for ``xxh3_chain`` keys
         without extra keys (others: compute the keys, then :meth:`prefix_summary`).
-        Raises as :meth:`TokenProcessor.request_keys`.
+        ``dp_ranks``, if given, receives pod -> DP rank for the matched pods
+        whose matched blocks one DP rank holds (then that rank is
+        :meth:`best_dp_rank` of the pod's match); ask :meth:`best_dp_rank`
+        for the others.  Raises as :meth:`TokenProcessor.request_keys`.
         """
         tp = self.token_processor
         if self._compat:
@@ -406,17 +431,22 @@ class NativeKVBlockIndex(SideTables):
             keys = tp.request_keys(tokens, model=model, lora=lora)
             return keys, self.prefix_summary(keys, cands, weights)
         w = list(weights)
+        core, K, A = self._core, self._K, self._A
+        ranks = dp_ranks is not None
         try:
-            with self._lock:
-                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
+            res = core.match_tokens(state, tokens, K, A, cands, w, True, True, ranks)
         except (TypeError, ValueError):
             if isinstance(tokens, np.ndarray):
                 raise
             # the reference's checks and errors (it also takes bools and other int-likes)
             tokens = np.ascontiguousarray(_tokens_to_u64(tokens))
+            res = core.match_tokens(state, tokens, K, A, cands, w, True, True, ranks)
+        if res is None:  # a writer is half-way through an event: wait for it
             with self._lock:
-                keys, rows, _longest = self._core.match_tokens(state, tokens, self._K, self._A, cands, w, True)
-        return _u64(keys), {pod: (n, w, u) for pod, n, w, u in rows}
+                res = core.match_tokens(state, tokens, K, A, cands, w, True, False, ranks)
+        if ranks and res[3]:
+            dp_ranks.update(res[3])
+        return _u64(res[0]), res[1]
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
         """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""
@@ -441,6 +471,11 @@ class NativeKVBlockIndex(SideTables):
         keys = _as_keys(request_keys)
         if len(keys) == 0:
             return None
+        g = self._wgen
+        if not g & 1:
+            rank = self._core.best_dp_rank(pod, keys)
+            if self._wgen == g:  # no multi-call event began meanwhile (see Locking)
+                return rank
         with self._lock:
             return self._core.best_dp_rank(pod, keys)
 
@@ -521,6 +556,17 @@ class NativeKVBlockIndex(SideTables):
 
     def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
         """Store ``item`` under ``parent_rk``, then every orphan it releases."""
+        if self._orphans:  # it may release orphans: one event in several core calls
+            self._wgen += 1
+            self._core.begin_multi()
+            try:
+                return self._attach_all(item, parent_rk)
+            finally:
+                self._core.end_multi()
+                self._wgen += 1
+        return self._attach_all(item, parent_rk)
+
+    def _attach_all(self, item: _Orphan, parent_rk: int | None) -> int:
         attached = 0
         work: list[tuple[_Orphan, int | None]] = [(item, parent_rk)]
         tp = self.token_processor

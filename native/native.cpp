@@ -22,8 +22,15 @@
 //
 // Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
 // readers (prefix match, lookup, best DP rank) hold it shared, so several readers run
-// at once.  The recency refresh of a prefix match takes the exclusive lock briefly
-// after the walk.  Every call releases the GIL while it holds the index lock.
+// at once.  The recency refresh of a prefix match is logged, not applied: the reader appends
+// the matched blocks' indices to a touch log (under a small mutex, inside its shared section),
+// and every exclusive section applies the log, in order, before it changes anything (wlock()),
+// so the LRU order any write sees, and so every eviction, is the one of refreshing at once.
+// A reader that finds the log past TOUCH_LOG_MAX applies it itself under the exclusive lock.
+// A writer whose one event takes several calls (kvindex.native attaches released orphans) marks
+// them with begin_multi/end_multi; a guarded read (guard=true) answers None meanwhile, so a
+// caller reading without its own lock never sees half of an event.
+// Every call releases the GIL while it holds the index lock.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -34,6 +41,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstddef>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -337,6 +345,7 @@ class HolderVec {
     Holder* end() { return data() + size(); }
     const Holder* begin() const { return data(); }
     const Holder* end() const { return data() + size(); }
+    const void* heap() const { return spilled() ? (const void*)u_.sp.many : nullptr; }
     Holder& operator[](size_t i) { return data()[i]; }
     const Holder& operator[](size_t i) const { return data()[i]; }
 
@@ -470,6 +479,16 @@ class IdxSet {
         }
     }
     Found find_ptr(u64 k) const { return Found{find(k)}; }
+
+    // The read path's prefetch: k's home slot, and the index it holds (NIL if empty), no probing.
+    void prefetch(u64 k) const {
+        if (size_) __builtin_prefetch(&slots_[home(k, slots_.size())]);
+    }
+    u32 at_home(u64 k) const {
+        if (!size_) return NIL;
+        u32 e = slots_[home(k, slots_.size())];
+        return e == NIL ? NIL : (e & IDX_MASK);
+    }
 
     // Adds k -> idx; k must be absent and key(idx) == k once the caller has set the block up.
     void insert(u64 k, u32 idx) {
@@ -650,7 +669,7 @@ class IndexCore {
         to_u64(rks_o, rks, "request_keys");
         if (eks.n != rks.n) throw nb::value_error("engine_keys and request_keys differ in length");
         nb::gil_scoped_release nogil;
-        std::unique_lock lk(mu_);
+        auto lk = wlock();
         uint16_t ps = pod_slot(pod);
         u64 sid = stream_id(ps, mid, rank);
         for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks.data[i], bit);
@@ -672,7 +691,7 @@ class IndexCore {
         {
             nb::gil_scoped_release nogil;
             chain_into(state, toks.data, eks.n, K.data, bs, A, nullptr, rks.data());
-            std::unique_lock lk(mu_);
+            auto lk = wlock();
             uint16_t ps = pod_slot(pod);
             u64 sid = stream_id(ps, mid, rank);
             for (size_t i = 0; i < eks.n; ++i) put(ps, rank, mid, sid, eks.data[i], rks[i], bit);
@@ -690,7 +709,7 @@ class IndexCore {
         std::vector<u64> done;
         {
             nb::gil_scoped_release nogil;
-            std::unique_lock lk(mu_);
+            auto lk = wlock();
             uint16_t ps = pod_slot(pod);
             u64 sid = stream_id(ps, mid, rank);
             stream_mk(sid);
@@ -715,7 +734,7 @@ class IndexCore {
         to_u64(eks_o, eks, "engine_keys");
         std::vector<bool> hit(eks.n, false);
         nb::gil_scoped_release nogil;
-        std::unique_lock lk(mu_);
+        auto lk = wlock();
         auto it = pod_by_name_.find(pod);
         if (it == pod_by_name_.end()) return hit;
         uint16_t ps = it->second;
@@ -733,7 +752,7 @@ class IndexCore {
     // Forget what `pod` holds (rank `rank` only when >= 0 ... or any when all_ranks). Returns entries removed.
     size_t clear(const std::string& pod, std::optional<int32_t> rank, int model) {
         nb::gil_scoped_release nogil;
-        std::unique_lock lk(mu_);
+        auto lk = wlock();
         return clear_locked(pod, rank, model);
     }
 
@@ -888,7 +907,7 @@ class IndexCore {
         size_t applied = 0;
         {
             nb::gil_scoped_release nogil;
-            std::unique_lock lk(mu_);
+            auto lk = wlock();
             std::vector<u64> rks;
             for (; applied < evs.size(); ++applied) {
                 Ev& x = evs[applied];
@@ -960,7 +979,7 @@ class IndexCore {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
         nb::gil_scoped_release nogil;
-        std::unique_lock lk(mu_);
+        auto lk = wlock();
         touch_locked(keys.data, keys.n);
     }
 
@@ -968,80 +987,138 @@ class IndexCore {
 
     // Longest consecutive prefix per candidate pod, as tier masks (OR over ranks) per block.
     // pods: list of names, or None = every pod holding blocks.  Refreshes recency of the
-    // longest match.  Returns {pod: masks as uint64 bytes} for pods matching >= 1 block.
-    nb::dict prefix_match(nb::handle keys_o, nb::handle pods_o, bool touch) {
+    // longest match (logged, see Locking).  Returns {pod: masks as uint64 bytes} for pods
+    // matching >= 1 block; None when `guard` and a writer is inside a multi-call event.
+    nb::object prefix_match(nb::handle keys_o, nb::handle pods_o, bool touch, bool guard) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
         std::vector<std::string> names = candidate_names(pods_o);
         std::vector<std::vector<u64>> masks;
         std::vector<std::string> matched_names;
+        bool busy = false;
         {
             nb::gil_scoped_release nogil;
-            size_t longest = 0;
-            {
-                std::shared_lock lk(mu_);
+            bool flush = false;
+            std::shared_lock lk(mu_);
+            if (guard && multi_) {
+                busy = true;
+            } else {
                 std::vector<int> cand_slot;
                 std::vector<std::string> cnames;
                 slots_of(names, cand_slot, cnames);
                 masks.assign(cand_slot.size(), {});
-                walk(keys.data, keys.n, cand_slot, [&](size_t c, size_t, u64 m) { masks[c].push_back(m); });
+                std::vector<u32> path;
+                walk(keys.data, keys.n, cand_slot, [&](size_t c, size_t, u64 m) { masks[c].push_back(m); },
+                     touch ? &path : nullptr);
                 std::vector<std::vector<u64>> kept;
                 for (size_t c = 0; c < masks.size(); ++c) {
                     if (masks[c].empty()) continue;
-                    longest = std::max(longest, masks[c].size());
                     matched_names.push_back(cnames[c]);
                     kept.push_back(std::move(masks[c]));
                 }
                 masks.swap(kept);
+                if (touch) flush = log_touches(path);
             }
-            if (touch && longest) {
-                std::unique_lock lk(mu_);
-                touch_locked(keys.data, longest);
+            lk.unlock();
+            if (flush) {
+                auto wl = wlock();
             }
         }
+        if (busy) return nb::none();
         nb::dict out;
         for (size_t c = 0; c < masks.size(); ++c) out[nb::str(matched_names[c].c_str())] = new_u64_array(std::move(masks[c]));
         return out;
     }
 
-    using Summary = std::vector<std::tuple<std::string, size_t, double, u64>>;
+    // (index of the pod in the candidate names, matched blocks, weighted blocks, OR of the masks,
+    // the DP rank of every holder of the pod's matched blocks when they share one, else NO_RANK)
+    using Summary = std::vector<std::tuple<size_t, size_t, double, u64, int64_t>>;
+    static constexpr int64_t NO_RANK = INT64_MIN;
 
-    // Per candidate pod with a match: (pod, matched blocks, sum over the matched blocks of the
-    // block's weight, OR of the masks).  weights[b] is the weight of tier bit b; a block weighs
-    // its best tier.  Refreshes recency like prefix_match.  Also returns the longest match.
-    std::pair<Summary, size_t> prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights,
-                                              bool touch) {
+    // Per candidate pod with a match: {pod: (matched blocks, sum over the matched blocks of the
+    // block's weight, OR of the masks)}.  weights[b] is the weight of tier bit b; a block weighs
+    // its best tier.  Refreshes recency like prefix_match.  Returns (that dict, longest match), or
+    // None when `guard` and a writer is inside a multi-call event.  The dict's keys are the
+    // caller's pod objects when `pods` is given.  With `ranks`, also a third element {pod: DP
+    // rank} for the pods whose matched blocks one DP rank holds (best_dp_rank's answer for them).
+    nb::object prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch,
+                              bool guard, bool ranks) {
         U64View keys;
         to_u64(keys_o, keys, "request_keys");
-        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<nb::handle> given;
+        std::vector<std::string> names = candidate_names(pods_o, &given);
         Summary res;
         size_t longest;
         {
-            nb::gil_scoped_release nogil;
-            longest = summary_locked(keys.data, keys.n, names, weights, touch, res);
+            std::optional<nb::gil_scoped_release> nogil;
+            if (keys.n >= NOGIL_MIN_BLOCKS) nogil.emplace();
+            longest = summary_locked(keys.data, keys.n, names, weights, touch, guard, res);
         }
-        return {std::move(res), longest};
+        if (longest == BUSY) return nb::none();
+        if (ranks) return nb::make_tuple(summary_dict(res, names, given), longest, rank_dict(res, names, given));
+        return nb::make_tuple(summary_dict(res, names, given), longest);
     }
 
-    // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call.
-    std::tuple<nb::bytes, Summary, size_t> match_tokens(
-        u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o, std::vector<double> weights,
-        bool touch) {
+    nb::dict summary_dict(const Summary& res, const std::vector<std::string>& names,
+                          const std::vector<nb::handle>& given) {
+        nb::dict out;
+        for (const auto& [c, n, w, u, r] : res) {
+            nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
+            out[key] = nb::make_tuple(n, w, u);
+        }
+        return out;
+    }
+
+    nb::dict rank_dict(const Summary& res, const std::vector<std::string>& names,
+                       const std::vector<nb::handle>& given) {
+        nb::dict out;
+        for (const auto& [c, n, w, u, r] : res) {
+            if (r == NO_RANK) continue;
+            nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
+            out[key] = nb::int_((long long)r);
+        }
+        return out;
+    }
+
+    // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call:
+    // (keys as uint64 bytes, rows, longest[, ranks]), or None when `guard` and a writer is inside
+    // a multi-call event.
+    nb::object match_tokens(u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o,
+                            std::vector<double> weights, bool touch, bool guard, bool ranks) {
         U64View toks, K;
         to_u64(toks_o, toks, "tokens");
         to_u64(K_o, K, "K");
         size_t bs = K.n;
         if (bs == 0) throw nb::value_error("empty K");
-        std::vector<std::string> names = candidate_names(pods_o);
+        std::vector<nb::handle> given;
+        std::vector<std::string> names = candidate_names(pods_o, &given);
         std::vector<u64> keys(toks.n / bs);
         Summary res;
         size_t longest;
         {
-            nb::gil_scoped_release nogil;
+            std::optional<nb::gil_scoped_release> nogil;
+            if (keys.size() >= NOGIL_MIN_BLOCKS) nogil.emplace();
             chain_into(state, toks.data, keys.size(), K.data, bs, A, nullptr, keys.data());
-            longest = summary_locked(keys.data(), keys.size(), names, weights, touch, res);
+            longest = summary_locked(keys.data(), keys.size(), names, weights, touch, guard, res);
         }
-        return {new_u64_array(std::move(keys)), std::move(res), longest};
+        if (longest == BUSY) return nb::none();
+        if (ranks)
+            return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest,
+                                  rank_dict(res, names, given));
+        return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest);
+    }
+
+    // Writers of one event in several calls mark them (see Locking); nested marks count.
+    void begin_multi() {
+        nb::gil_scoped_release nogil;
+        auto lk = wlock();
+        ++multi_;
+    }
+    void end_multi() {
+        nb::gil_scoped_release nogil;
+        auto lk = wlock();
+        if (multi_ == 0) throw std::logic_error("end_multi without begin_multi");
+        --multi_;
     }
 
     // Per candidate pod: tier mask (OR over ranks) of every key, 0 where it holds none.
@@ -1347,50 +1424,102 @@ class IndexCore {
   private:
     // ----------------------------------------------------------- helpers
 
+    // Reads of fewer blocks keep the GIL: they take tens of microseconds, and giving the GIL up
+    // costs a busy process more (the reader waits to be woken and scheduled again behind the
+    // threads that took it: milliseconds on a loaded machine).  No thread waits for the GIL
+    // while it holds mu_, so a reader holding the GIL while it waits for mu_ cannot deadlock.
+    static constexpr size_t NOGIL_MIN_BLOCKS = 2048;
+    static constexpr size_t BUSY = ~size_t(0);  // summary_locked's answer to a guarded read during a multi-call write
+
     size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
-                          const std::vector<double>& weights, bool touch, Summary& res) {
+                          const std::vector<double>& weights, bool touch, bool guard, Summary& res) {
         size_t longest = 0;
+        bool flush = false;
         {
             std::shared_lock lk(mu_);
+            if (guard && multi_) return BUSY;
             std::vector<int> cand_slot;
             std::vector<std::string> cnames;
-            slots_of(names, cand_slot, cnames);
+            std::vector<size_t> cidx;
+            slots_of(names, cand_slot, cnames, &cidx);
             std::vector<size_t> cnt(cand_slot.size(), 0);
             std::vector<u64> uni(cand_slot.size(), 0);
             // per candidate: (mask, blocks) in first-seen order; weighted = sum of weight(mask) * blocks
             // in that order, the same float operations as scorer.prefix.prefix_scores_from_matches
             std::vector<std::vector<std::pair<u64, size_t>>> runs(cand_slot.size());
-            walk(keys, n, cand_slot, [&](size_t c, size_t, u64 m) {
-                ++cnt[c];
-                uni[c] |= m;
-                auto& r = runs[c];
-                if (!r.empty() && r.back().first == m) {
-                    ++r.back().second;
-                    return;
-                }
-                for (auto& e : r)
-                    if (e.first == m) {
-                        ++e.second;
-                        return;
-                    }
-                r.emplace_back(m, 1);
-            });
+            std::vector<u32> path;
+            std::vector<uint32_t> rid(cand_slot.size(), RID_NONE);
+            summary_walk(keys, n, cand_slot, cnt, uni, runs, rid, touch ? &path : nullptr);
             for (size_t c = 0; c < cand_slot.size(); ++c) {
                 if (!cnt[c]) continue;
                 longest = std::max(longest, cnt[c]);
                 double w = 0.0;
                 for (auto& e : runs[c]) w += mask_weight(e.first, weights) * (double)e.second;
-                res.emplace_back(cnames[c], cnt[c], w, uni[c]);
+                res.emplace_back(cidx[c], cnt[c], w, uni[c],
+                                 rid[c] < RID_MIXED ? (int64_t)rank_vals_[rid[c]] : NO_RANK);
             }
+            if (touch) flush = log_touches(path);
         }
-        if (touch && longest) {
-            std::unique_lock lk(mu_);
-            touch_locked(keys, longest);
+        if (flush) {
+            auto wl = wlock();
         }
         return longest;
     }
 
-    std::vector<std::string> candidate_names(nb::handle pods_o) {
+    // The exclusive lock, with the logged recency refreshes applied first (every writer takes it so).
+    std::unique_lock<std::shared_mutex> wlock() {
+        std::unique_lock<std::shared_mutex> lk(mu_);
+        flush_touches_locked();
+        return lk;
+    }
+
+    // Under the shared lock: append a read's matched blocks (in match order) to the touch log.
+    // Returns true when the log is past TOUCH_LOG_MAX (the caller then applies it).
+    bool log_touches(const std::vector<u32>& path) {
+        if (path.empty()) return false;
+        std::lock_guard<std::mutex> g(log_mu_);
+        touch_log_.insert(touch_log_.end(), path.begin(), path.end());
+        return touch_log_.size() > TOUCH_LOG_MAX;
+    }
+
+    // Under the exclusive lock: apply the touch log as touch_locked would have, entry by entry.
+    // Moving blocks to the tail one by one leaves the untouched blocks in their order followed
+    // by the touched ones in the order of their last touch, so each block moves once, at its
+    // last entry.
+    void flush_touches_locked() {
+        std::lock_guard<std::mutex> g(log_mu_);
+        size_t n = touch_log_.size();
+        if (n == 0) return;
+        if (n <= 64) {
+            for (u32 i : touch_log_) relink_tail(i);
+        } else {
+            size_t cap = 64;
+            while (cap < 2 * n) cap <<= 1;
+            std::vector<u32> seen(cap, NIL), order;
+            order.reserve(n);
+            for (size_t k = n; k-- > 0;) {
+                u32 i = touch_log_[k];
+                size_t s = fmix64(i) & (cap - 1);
+                while (seen[s] != NIL && seen[s] != i) s = (s + 1) & (cap - 1);
+                if (seen[s] == i) continue;
+                seen[s] = i;
+                order.push_back(i);
+            }
+            for (size_t k = order.size(); k-- > 0;) relink_tail(order[k]);
+        }
+        touch_log_.clear();
+        if (touch_log_.capacity() > 2 * TOUCH_LOG_MAX) std::vector<u32>().swap(touch_log_);
+    }
+
+    void relink_tail(u32 i) {
+        if (i == lru_tail_) return;
+        lru_unlink(i);
+        lru_push(i);
+    }
+
+    // The candidates' names (None: every pod holding blocks); `given` (if asked) receives the
+    // caller's objects, borrowed from `pods_o` (which the caller keeps alive).
+    std::vector<std::string> candidate_names(nb::handle pods_o, std::vector<nb::handle>* given = nullptr) {
         std::vector<std::string> names;
         if (pods_o.is_none()) {
             std::shared_lock lk(mu_);
@@ -1398,25 +1527,41 @@ class IndexCore {
                 if (pod_blocks_[s]) names.push_back(pod_names_[s]);
             return names;
         }
+        if (given && (PyList_CheckExact(pods_o.ptr()) || PyTuple_CheckExact(pods_o.ptr()))) {
+            for (nb::handle h : pods_o) {
+                names.push_back(nb::cast<std::string>(h));
+                given->push_back(h);
+            }
+            return names;
+        }
         for (nb::handle h : pods_o) names.push_back(nb::cast<std::string>(h));
         return names;
     }
 
-    // Candidate names -> slots (unknown or empty pods are dropped; duplicates once).
-    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept) {
-        for (const std::string& nm : names) {
+    // Candidate names -> slots (unknown or empty pods are dropped; duplicates once); `idx` (if
+    // given) receives each kept name's position in `names`.
+    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept,
+                  std::vector<size_t>* idx = nullptr) {
+        for (size_t k = 0; k < names.size(); ++k) {
+            const std::string& nm = names[k];
             auto it = pod_by_name_.find(nm);
             if (it == pod_by_name_.end() || !pod_blocks_[it->second]) continue;
             if (std::find(slots.begin(), slots.end(), (int)it->second) != slots.end()) continue;
             slots.push_back(it->second);
             kept.push_back(nm);
+            if (idx) idx->push_back(k);
         }
     }
 
     // Walk keys for the candidate slots; emit(c, pos, mask) for every block candidate c
-    // still matches; stops when no candidate matches.
+    // still matches; stops when no candidate matches.  `path` (if given) receives the index of
+    // every block some candidate matched, in order (the blocks the recency refresh moves).
+    // Keys are looked up in groups: the group's home slots, then its block records, then their
+    // holder arrays are prefetched before the group is walked, so the cache misses of a group
+    // overlap (the walk is bound by them: a prompt's blocks are scattered over the tables).
     template <class Emit>
-    void walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit) {
+    void walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
+              std::vector<u32>* path = nullptr) {
         size_t nc = cand_slot.size();
         if (nc == 0) return;
         std::vector<int> of_slot(pod_names_.size(), -1);
@@ -1426,26 +1571,157 @@ class IndexCore {
         // and its slot maps to -1, so later blocks cost only the holders and candidates still alive
         std::vector<size_t> live(nc);
         for (size_t c = 0; c < nc; ++c) live[c] = c;
-        for (size_t i = 0; i < n && !live.empty(); ++i) {
-            Found bi = rk_map_.find_ptr(keys[i]);
-            if (!bi) break;
-            for (const Holder& h : blocks_[*bi].hs) {
-                int c = of_slot[h.pod()];
-                if (c >= 0) cur[(size_t)c] |= hmask(h);
+        constexpr size_t GROUP = 16;
+        u32 bis[GROUP];
+        size_t group = 4;  // a miss at the first block (a new prompt) costs few lookups
+        for (size_t g0 = 0; g0 < n && !live.empty(); g0 += group, group = std::min(GROUP, group * 2)) {
+            size_t m = std::min(group, n - g0);
+            const u64* gk = keys + g0;
+            for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
+            for (size_t j = 0; j < m; ++j) {
+                u32 h = rk_map_.at_home(gk[j]);
+                if (h != NIL) __builtin_prefetch(&blocks_[h]);
             }
-            for (size_t k = 0; k < live.size();) {
-                size_t c = live[k];
-                if (cur[c]) {
-                    emit(c, i, cur[c]);
-                    cur[c] = 0;
-                    ++k;
-                } else {
-                    of_slot[cand_slot[c]] = -1;
-                    live[k] = live.back();
-                    live.pop_back();
+            for (size_t j = 0; j < m; ++j) {
+                Found bi = rk_map_.find_ptr(gk[j]);
+                bis[j] = bi ? *bi : NIL;
+                if (bi) {
+                    const void* heap = blocks_[*bi].hs.heap();
+                    if (heap) __builtin_prefetch(heap);
                 }
             }
+            for (size_t j = 0; j < m && !live.empty(); ++j) {
+                size_t i = g0 + j;
+                if (bis[j] == NIL) return;
+                for (const Holder& h : blocks_[bis[j]].hs) {
+                    int c = of_slot[h.pod()];
+                    if (c >= 0) cur[(size_t)c] |= hmask(h);
+                }
+                for (size_t k = 0; k < live.size();) {
+                    size_t c = live[k];
+                    if (cur[c]) {
+                        emit(c, i, cur[c]);
+                        cur[c] = 0;
+                        ++k;
+                    } else {
+                        of_slot[cand_slot[c]] = -1;
+                        live[k] = live.back();
+                        live.pop_back();
+                    }
+                }
+                if (path && !live.empty()) path->push_back(bis[j]);
+            }
         }
+    }
+
+    // The walk of summary_locked: per candidate, blocks matched (cnt), OR of the masks (uni) and
+    // the (mask, blocks) runs in first-seen order, as walk() with an emit that counts them, but
+    // with flat per-candidate state: a block's holders stamp the candidates they belong to, the
+    // live list is compacted only when fewer candidates than live ones hold the block, and a
+    // candidate's run grows by one while its mask repeats (the usual case).  rid[c]: the interned
+    // DP rank of every holder of c met, RID_MIXED once two differ.
+    static constexpr uint32_t RID_NONE = 0x20000, RID_MIXED = 0x10000;  // rid[c] before a holder, and once two differ
+
+    void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
+                      std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
+                      std::vector<uint32_t>& rid, std::vector<u32>* path) {
+        size_t nc = cand_slot.size();
+        if (nc == 0) return;
+        std::vector<int> of_slot(pod_names_.size(), -1);
+        for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
+        std::vector<size_t> stamp(nc, ~size_t(0)), runn(nc, 0);
+        std::vector<u64> cur(nc, 0), runm(nc, 0);
+        std::vector<size_t> live(nc);
+        for (size_t c = 0; c < nc; ++c) live[c] = c;
+        auto flush = [&](size_t c) {
+            if (!runn[c]) return;
+            cnt[c] += runn[c];
+            uni[c] |= runm[c];
+            for (auto& e : runs[c])
+                if (e.first == runm[c]) {
+                    e.second += runn[c];
+                    return;
+                }
+            runs[c].emplace_back(runm[c], runn[c]);
+        };
+        const Attr* av = attrs_.data();
+        constexpr size_t GROUP = 16;
+        u32 bis[GROUP];
+        size_t group = 4;
+        bool done = false;
+        for (size_t g0 = 0; g0 < n && !done; g0 += group, group = std::min(GROUP, group * 2)) {
+            size_t m = std::min(group, n - g0);
+            const u64* gk = keys + g0;
+            for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
+            for (size_t j = 0; j < m; ++j) {
+                u32 h = rk_map_.at_home(gk[j]);
+                if (h != NIL) __builtin_prefetch(&blocks_[h]);
+            }
+            for (size_t j = 0; j < m; ++j) {
+                Found bi = rk_map_.find_ptr(gk[j]);
+                bis[j] = bi ? *bi : NIL;
+                if (bi) {
+                    const Block& b = blocks_[*bi];
+                    const char* heap = static_cast<const char*>(b.hs.heap());
+                    if (heap) {
+                        size_t bytes = b.hs.size() * sizeof(Holder);
+                        for (size_t off = 0; off < bytes && off < 1024; off += 64) __builtin_prefetch(heap + off);
+                    }
+                }
+            }
+            for (size_t j = 0; j < m; ++j) {
+                size_t i = g0 + j;
+                if (bis[j] == NIL) {
+                    done = true;
+                    break;
+                }
+                size_t hits = 0;
+                for (const Holder& h : blocks_[bis[j]].hs) {
+                    int c = of_slot[h.pod()];
+                    if (c < 0) continue;
+                    const Attr& at = av[h.at];
+                    u64 hm = at.mask;
+                    if (!hm) continue;
+                    uint32_t& r = rid[(size_t)c];
+                    if (r != at.rid) r = r == RID_NONE ? at.rid : RID_MIXED;
+                    if (stamp[(size_t)c] != i) {
+                        stamp[(size_t)c] = i;
+                        cur[(size_t)c] = hm;
+                        ++hits;
+                    } else {
+                        cur[(size_t)c] |= hm;
+                    }
+                }
+                if (hits != live.size()) {
+                    for (size_t k = 0; k < live.size();) {
+                        size_t c = live[k];
+                        if (stamp[c] == i) {
+                            ++k;
+                        } else {
+                            of_slot[cand_slot[c]] = -1;
+                            live[k] = live.back();
+                            live.pop_back();
+                        }
+                    }
+                    if (live.empty()) {
+                        done = true;
+                        break;
+                    }
+                }
+                for (size_t c : live) {
+                    u64 cm = cur[c];
+                    if (cm == runm[c]) {
+                        ++runn[c];
+                    } else {
+                        flush(c);
+                        runm[c] = cm;
+                        runn[c] = 1;
+                    }
+                }
+                if (path) path->push_back(bis[j]);
+            }
+        }
+        for (size_t c = 0; c < nc; ++c) flush(c);
     }
 
     static double mask_weight(u64 m, const std::vector<double>& w) {
@@ -1883,6 +2159,10 @@ class IndexCore {
     }
 
     std::shared_mutex mu_;
+    static constexpr size_t TOUCH_LOG_MAX = size_t(1) << 16;  // logged refreshes a reader leaves (256 KiB)
+    std::mutex log_mu_;            // guards touch_log_ among readers (a writer holds mu_ alone)
+    std::vector<u32> touch_log_;   // matched block indices whose recency refresh is pending
+    u32 multi_ = 0;                // writers inside a multi-call event (changed under mu_ exclusively)
     u64 capacity_;
     bool compat_;
     std::vector<Block> blocks_;
@@ -1942,11 +2222,15 @@ NB_MODULE(_native, m) {
         .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none(), nb::arg("model"))
         .def("apply_events", &IndexCore::apply_events)
         .def("touch", &IndexCore::touch)
-        .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"))
+        .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"),
+             nb::arg("guard") = false)
         .def("prefix_summary", &IndexCore::prefix_summary, nb::arg("keys"), nb::arg("pods").none(),
-             nb::arg("weights"), nb::arg("touch"))
+             nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false, nb::arg("ranks") = false)
         .def("match_tokens", &IndexCore::match_tokens, nb::arg("state"), nb::arg("tokens"), nb::arg("K"),
-             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"))
+             nb::arg("A"), nb::arg("pods").none(), nb::arg("weights"), nb::arg("touch"), nb::arg("guard") = false,
+             nb::arg("ranks") = false)
+        .def("begin_multi", &IndexCore::begin_multi)
+        .def("end_multi", &IndexCore::end_multi)
         .def("pod_masks", &IndexCore::pod_masks)
         .def("lookup", &IndexCore::lookup)
         .def("best_dp_rank", &IndexCore::best_dp_rank)

@@ -632,19 +632,17 @@ class TTFTPicker:
                 free = (1.0 - usage) * _finite_nonneg(ld.kv_capacity_tokens)
                 over = max(0.0, q + un + _finite_nonneg(ld.running) * reserve - free)
             cost = q + un * (1.0 + kvp * usage) + stall * over
-            costed.append((cost, waiting + in_flight, pod, cov, matched, waiting, in_flight, usage, ld is not None,
-                           un, q, over))
+            qlen = waiting + in_flight
+            # the row now (round of a float is an int); (cost, queue, pod) ranks it
+            costed.append((cost, qlen, pod, PodInputs(pod, -cost, cov, 1.0 - usage, qlen, matched, waiting, in_flight,
+                                                      usage, ld is not None, round(un), q, cost, over)))
         tie = self.tie_tokens
         if tie > 0.0:
             best_cost = min(t[0] for t in costed)
             costed.sort(key=lambda t: (best_cost if t[0] - best_cost <= tie else t[0], t[1], t[2]))
         else:
-            costed.sort()  # (cost, queue, pod, ...): pod ids are unique, so nothing after them is compared
-        ranked = tuple(
-            PodInputs(pod, -cost, cov, 1.0 - usage, qlen, matched, waiting, in_flight, usage, known,
-                      int(round(un)), q, cost, over)
-            for cost, qlen, pod, cov, matched, waiting, in_flight, usage, known, un, q, over in costed
-        )
+            costed.sort()  # (cost, queue, pod, row): pod ids are unique, so the rows are never compared
+        ranked = tuple([t[3] for t in costed])
         win = ranked[0]
         return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, tie_tokens=tie)
 

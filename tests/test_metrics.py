@@ -239,3 +239,28 @@ def test_router_registry_serves_the_library_metrics_and_engine_reported_hits() -
     assert got[("kvindex_router_engine_queried_tokens_total", (("pod", "p0"),))] == 1000 + 300 + 600
     assert got[("kvindex_score_duration_seconds_count", ())] == 1
     assert ("kvindex_index_keys", ()) in got and ("kvindex_event_errors_total", ()) not in got
+
+
+def test_score_observations_are_queued_bounded_and_all_counted():
+    """Scores queue their two values; a scrape folds them all; without scrapes the queue stays
+    near PENDING_MAX (each score past it folds a few) and nothing is lost."""
+    from indexer.metrics import PENDING_MAX
+
+    ix = Indexer(Config())
+    m = ix.metrics
+    n = PENDING_MAX + 500
+    for i in range(n):
+        m.observe_score(1e-4 * (i % 7), None if i % 3 == 0 else (i % 11) / 10)
+    assert len(m._pending) <= PENDING_MAX + 1
+    registry = CollectorRegistry()
+    ix.register_metrics(registry)
+    got = scrape(registry)
+    assert not m._pending
+
+    def val(name: str, **labels: str) -> float:
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert val("kvindex_score_duration_seconds_count") == n
+    assert val("kvindex_score_chosen_coverage_count") == sum(1 for i in range(n) if i % 3)
+    assert val("kvindex_score_chosen_coverage_bucket", le="0.0") == sum(1 for i in range(n) if i % 3 and i % 11 == 0)
+    assert abs(val("kvindex_score_duration_seconds_sum") - sum(1e-4 * (i % 7) for i in range(n))) < 1e-9

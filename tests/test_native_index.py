@@ -29,7 +29,7 @@ from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex import _native, make_index
 from kvindex.index import KVBlockIndex
 from kvindex.keys import TokenProcessor
-from kvindex.native import NativeKVBlockIndex
+from kvindex.native import NativeKVBlockIndex, _summarise
 from kvindex.protocol import KVIndex
 from kvindex.tiers import tier_bit
 from tests.oracle import Universe
@@ -219,6 +219,29 @@ class SameSteps(RuleBasedStateMachine):
         keys = U.request_keys(path)
         arg = np.array(keys, dtype=np.uint64) if as_array else keys
         self.both("prefix_match", arg, pods)
+
+    @rule(path=st.integers(0, len(U.paths) - 1),
+          pods=st.none() | st.lists(st.sampled_from(PODS + ["d", "zz"]), max_size=3),
+          from_tokens=st.booleans())
+    def summary(self, path, pods, from_tokens):
+        """The read path's one-call forms (they refresh recency like prefix_match) against the
+        reference's prefix_match, summarised."""
+        ref, nat = self.ixs
+        if not hasattr(nat, "match_tokens"):  # the machine also drives other backends (tests/test_redis_index.py)
+            return
+        weights = [1.0, 0.75, 0.5, 0.25]
+        keys = U.request_keys(path)
+        want = _summarise(ref.prefix_match(keys, pods), weights)
+        if from_tokens:
+            ranks: dict = {}
+            got_keys, got = nat.match_tokens(list(U.paths[path]), pods, weights, model=U.model, dp_ranks=ranks)
+            assert got_keys.tolist() == keys
+            assert set(ranks) <= set(got)
+            for pod, rank in ranks.items():  # the rank holding the whole match is best_dp_rank's answer
+                assert rank == ref.best_dp_rank(pod, keys[: got[pod][0]]), (pod, ranks)
+        else:
+            got = nat.prefix_summary(keys, pods, weights)
+        assert got == want
 
     @rule(path=st.integers(0, len(U.paths) - 1), pod=st.sampled_from(PODS))
     def dp_rank(self, path, pod):
@@ -469,3 +492,127 @@ def test_sets_with_keys_sharing_home_slots_match_a_dict_model():
     small.check()
     assert len(small) == 100
     assert [bool(h) for h in small.lookup(rks)] == [i >= len(rks) - 100 for i in range(len(rks))]
+
+
+# -- 6. the logged recency refresh and the multi-call mark
+
+
+def _chain(n_blocks: int, seed: int) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(1, 50_000) for _ in range(n_blocks * BS)]
+
+
+def test_recency_log_past_its_bound_evicts_as_the_reference():
+    """More matched blocks between two writes than the core's touch log holds (65,536): the
+    reader applies the log itself; the evictions that follow are the reference's."""
+    capacity = 9_000
+    ixs = [KVBlockIndex(U.tp, capacity=capacity), NativeKVBlockIndex(U.tp, capacity=capacity)]
+    seqs = [_chain(n, s) for s, n in enumerate((4_096, 3_000, 1_500, 2_000))]
+    keys = [U.tp.request_keys(t) for t in seqs]
+    for ix in ixs:
+        for p, toks in enumerate(seqs[:3]):
+            ix.block_stored("abc"[p], 0, list(range(p << 20, (p << 20) + len(toks) // BS)), None, toks, "gpu",
+                            block_size=BS)
+    rnd = random.Random(5)
+    order = [rnd.choice([0, 0, 1, 2]) for _ in range(40)]  # about 30 x 4,096 matched blocks from seq 0
+    for ix in ixs:
+        for q in order:
+            ix.prefix_match(keys[q][: len(keys[q]) * (1 + q) // 3])
+            if isinstance(ix, NativeKVBlockIndex):
+                ix.prefix_summary(keys[2][:700], None, [1.0])  # also logged
+            else:
+                ix.prefix_match(keys[2][:700])
+        # evicts 1,500 least recently used keys
+        ix.block_stored("d", 0, list(range(3 << 20, (3 << 20) + 2_000)), None, seqs[3], "gpu", block_size=BS)
+    assert ixs[0].stats() == ixs[1].stats()
+    assert ixs[0].stats().evictions > 0
+    for k in keys:
+        assert ixs[0].lookup(k) == ixs[1].lookup(k)
+    ixs[1].check()
+
+
+def test_guarded_reads_wait_for_a_multi_call_event():
+    """While a writer is inside an event it applies in several core calls, the core answers a
+    guarded read None (before touching anything) and the index's lock-free reads wait for the
+    event on the Python lock; unguarded reads still answer."""
+    import threading
+
+    ix = NativeKVBlockIndex(U.tp)
+    toks = list(U.paths[0])
+    n = len(toks) // BS
+    ix.block_stored("a", 0, list(range(1, n + 1)), None, toks, "gpu", block_size=BS)
+    keys = np.array(U.request_keys(0), dtype=np.uint64)
+    core = ix._core
+    state = U.tp._root(U.model, None)
+    with ix._lock:
+        ix._wgen += 1
+        core.begin_multi()
+        assert core.prefix_summary(keys, None, [1.0], True, True) is None
+        assert core.prefix_match(keys, None, True, True) is None
+        assert core.match_tokens(state, toks, ix._K, ix._A, None, [1.0], True, True) is None
+        assert core.prefix_summary(keys, None, [1.0], False)[1] == n
+        got: dict = {}
+        readers = [
+            threading.Thread(target=lambda: got.__setitem__("summary", ix.prefix_summary(keys, None, [1.0, 0.5]))),
+            threading.Thread(target=lambda: got.__setitem__("tokens", ix.match_tokens(toks, None, [1.0, 0.5],
+                                                                                        model=U.model)[1])),
+            threading.Thread(target=lambda: got.__setitem__("match", ix.prefix_match(keys))),
+            threading.Thread(target=lambda: got.__setitem__("rank", ix.best_dp_rank("a", keys))),
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(0.3)
+        assert all(t.is_alive() for t in readers) and not got  # they wait for the event
+        ix.block_stored("b", 0, list(range(100, 100 + n)), None, toks, "cpu", block_size=BS)
+        core.end_multi()
+        ix._wgen += 1
+    for t in readers:
+        t.join(30)
+    assert not any(t.is_alive() for t in readers)
+    both = {"a": (n, float(n), tier_bit("gpu")), "b": (n, 0.5 * n, tier_bit("cpu"))}
+    assert got["summary"] == got["tokens"] == both
+    assert set(got["match"]) == {"a", "b"} and got["rank"] == 0
+    with pytest.raises(RuntimeError):
+        core.end_multi()
+
+
+def test_readers_never_see_half_of_an_orphan_release():
+    """A store whose parent arrives after its child: the parent's event attaches the waiting
+    child in a second core call.  Lock-free readers see both blocks' pods or neither, never
+    the parent alone."""
+    import threading
+
+    ix = NativeKVBlockIndex(U.tp)
+    toks = _chain(2, 7)
+    keys = np.array(U.tp.request_keys(toks), dtype=np.uint64)
+    stop = threading.Event()
+    seen: set = set()
+    errors: list[BaseException] = []
+
+    def read():
+        try:
+            while not stop.is_set():
+                s = ix.prefix_summary(keys, ["p"], [1.0])
+                got = s.get("p", (0,))[0]
+                assert ix.match_tokens(toks, ["p"], [1.0])[1].get("p", (0,))[0] in (0, 2)
+                seen.add(got)
+                assert got in (0, 2), got
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        for _ in range(1_000):
+            ix.block_stored("p", 0, [2], 1, toks[BS:], "gpu", block_size=BS)  # child first: waits as an orphan
+            ix.block_stored("p", 0, [1], None, toks[:BS], "gpu", block_size=BS)  # parent: attaches the child
+            assert ix.prefix_summary(keys, ["p"], [1.0])["p"][0] == 2
+            ix.clear("p")
+    finally:
+        stop.set()
+        for t in readers:
+            t.join()
+    assert not errors, errors
+    ix.check()
