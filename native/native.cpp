@@ -1553,6 +1553,26 @@ class IndexCore {
         }
     }
 
+    // Block indices of keys[0..m) into bis (NIL where absent), with their table slots, records and
+    // holder arrays (up to 1 KiB) prefetched first: a walk's group of lookups overlaps its misses.
+    void lookup_group(const u64* gk, size_t m, u32* bis) const {
+        for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
+        for (size_t j = 0; j < m; ++j) {
+            u32 h = rk_map_.at_home(gk[j]);
+            if (h != NIL) __builtin_prefetch(&blocks_[h]);
+        }
+        for (size_t j = 0; j < m; ++j) {
+            Found bi = rk_map_.find_ptr(gk[j]);
+            bis[j] = bi ? *bi : NIL;
+            if (!bi) continue;
+            const Block& b = blocks_[*bi];
+            const char* heap = static_cast<const char*>(b.hs.heap());
+            if (!heap) continue;
+            size_t bytes = b.hs.size() * sizeof(Holder);
+            for (size_t off = 0; off < bytes && off < 1024; off += 64) __builtin_prefetch(heap + off);
+        }
+    }
+
     // Walk keys for the candidate slots; emit(c, pos, mask) for every block candidate c
     // still matches; stops when no candidate matches.  `path` (if given) receives the index of
     // every block some candidate matched, in order (the blocks the recency refresh moves).
@@ -1576,20 +1596,7 @@ class IndexCore {
         size_t group = 4;  // a miss at the first block (a new prompt) costs few lookups
         for (size_t g0 = 0; g0 < n && !live.empty(); g0 += group, group = std::min(GROUP, group * 2)) {
             size_t m = std::min(group, n - g0);
-            const u64* gk = keys + g0;
-            for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
-            for (size_t j = 0; j < m; ++j) {
-                u32 h = rk_map_.at_home(gk[j]);
-                if (h != NIL) __builtin_prefetch(&blocks_[h]);
-            }
-            for (size_t j = 0; j < m; ++j) {
-                Found bi = rk_map_.find_ptr(gk[j]);
-                bis[j] = bi ? *bi : NIL;
-                if (bi) {
-                    const void* heap = blocks_[*bi].hs.heap();
-                    if (heap) __builtin_prefetch(heap);
-                }
-            }
+            lookup_group(keys + g0, m, bis);
             for (size_t j = 0; j < m && !live.empty(); ++j) {
                 size_t i = g0 + j;
                 if (bis[j] == NIL) return;
@@ -1651,24 +1658,7 @@ class IndexCore {
         bool done = false;
         for (size_t g0 = 0; g0 < n && !done; g0 += group, group = std::min(GROUP, group * 2)) {
             size_t m = std::min(group, n - g0);
-            const u64* gk = keys + g0;
-            for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
-            for (size_t j = 0; j < m; ++j) {
-                u32 h = rk_map_.at_home(gk[j]);
-                if (h != NIL) __builtin_prefetch(&blocks_[h]);
-            }
-            for (size_t j = 0; j < m; ++j) {
-                Found bi = rk_map_.find_ptr(gk[j]);
-                bis[j] = bi ? *bi : NIL;
-                if (bi) {
-                    const Block& b = blocks_[*bi];
-                    const char* heap = static_cast<const char*>(b.hs.heap());
-                    if (heap) {
-                        size_t bytes = b.hs.size() * sizeof(Holder);
-                        for (size_t off = 0; off < bytes && off < 1024; off += 64) __builtin_prefetch(heap + off);
-                    }
-                }
-            }
+            lookup_group(keys + g0, m, bis);
             for (size_t j = 0; j < m; ++j) {
                 size_t i = g0 + j;
                 if (bis[j] == NIL) {
