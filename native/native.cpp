@@ -463,20 +463,28 @@ class IdxSet {
     size_t size() const { return size_; }
     bool empty() const { return size_ == 0; }
 
-    // The index stored under k, or NIL.
-    u32 find(u64 k) const {
-        if (size_ == 0) return NIL;
+    // The slot holding k, or NPOS (Robin Hood probing: the run ends at an empty slot or at an
+    // entry closer to its home than k would be).
+    static constexpr size_t NPOS = ~size_t(0);
+    size_t slot_of(u64 k) const {
+        if (size_ == 0) return NPOS;
         size_t cap = slots_.size();
         size_t i = home(k, cap);
         for (size_t d = 0;; ++d) {
             u32 e = slots_[i];
-            if (e == NIL) return NIL;
+            if (e == NIL) return NPOS;
             size_t de = e >> IDX_BITS;
             if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
-            if (de < d) return NIL;
-            if (de == d && key_(e & IDX_MASK) == k) return e & IDX_MASK;
+            if (de < d) return NPOS;
+            if (de == d && key_(e & IDX_MASK) == k) return i;
             if (++i == cap) i = 0;
         }
+    }
+
+    // The index stored under k, or NIL.
+    u32 find(u64 k) const {
+        size_t i = slot_of(k);
+        return i == NPOS ? NIL : (slots_[i] & IDX_MASK);
     }
     Found find_ptr(u64 k) const { return Found{find(k)}; }
 
@@ -498,18 +506,9 @@ class IdxSet {
     }
 
     bool erase(u64 k) {
-        if (size_ == 0) return false;
+        size_t i = slot_of(k);
+        if (i == NPOS) return false;
         size_t cap = slots_.size();
-        size_t i = home(k, cap);
-        for (size_t d = 0;; ++d) {
-            u32 e = slots_[i];
-            if (e == NIL) return false;
-            size_t de = e >> IDX_BITS;
-            if (de == DIST_CAP && d >= DIST_CAP) de = dist(i, home(key_(e & IDX_MASK), cap), cap);
-            if (de < d) return false;
-            if (de == d && key_(e & IDX_MASK) == k) break;
-            if (++i == cap) i = 0;
-        }
         // shift the rest of the run back by one, up to an empty slot or an entry at its home
         while (true) {
             size_t j = i + 1 == cap ? 0 : i + 1;
