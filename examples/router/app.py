@@ -138,6 +138,10 @@ PREDICTED_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32
 # -- configuration -------------------------------------------------------------
 
 
+#: seconds an idle connection to a vLLM engine is kept (its HTTP server closes one idle for 5 s)
+ENGINE_KEEPALIVE = 2.0
+
+
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One engine as the router sees it.
 
@@ -173,6 +177,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     load_interval: seconds between two refreshes of every engine's ``/metrics``.
     decision_log_size: routing decisions kept for ``GET /decisions``.
     upstream_timeout: seconds an engine may stay silent while answering.
+    upstream_keepalive: seconds an idle connection to an engine is kept for
+        reuse.  Below the engines' own idle limit (vLLM's HTTP server closes
+        a connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s): a
+        request sent on a connection the server is closing at that moment
+        fails with "server disconnected" before the engine ever sees it.
     indexer: extra :class:`indexer.Config` fields (e.g. ``scorer_config``,
         ``token_processor_config.algorithm``); the router fills in
         ``model_name``, ``token_processor_config.block_size`` and
@@ -203,6 +212,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     load_interval: float = 1.0
     decision_log_size: int = 1000
     upstream_timeout: float = 600.0
+    upstream_keepalive: float = ENGINE_KEEPALIVE
     indexer: dict[str, Any] = msgspec.field(default_factory=dict)
     prefill: list[str] = msgspec.field(default_factory=list)
     decode: list[str] = msgspec.field(default_factory=list)
@@ -221,6 +231,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"load_interval must be > 0, got {self.load_interval}")
         if self.decision_log_size < 1:
             raise ValueError(f"decision_log_size must be >= 1, got {self.decision_log_size}")
+        if not self.upstream_keepalive >= 0:
+            raise ValueError(f"upstream_keepalive must be >= 0, got {self.upstream_keepalive}")
         pods = [e.pod for e in self.engines]
         if len(set(pods)) != len(pods):
             raise ValueError(f"duplicate pod ids in {pods}")
@@ -282,6 +294,18 @@ def parse_engine_arg(text: str) -> EngineSpec:
         endpoint=zmq_parts[0],
         replay_endpoint=zmq_parts[1] if len(zmq_parts) == 2 else None,
     )
+
+
+def engine_session(timeout: aiohttp.ClientTimeout, keepalive: float = ENGINE_KEEPALIVE, **kwargs: Any) -> aiohttp.ClientSession:
+    """An HTTP client session for talking to vLLM engines (``kwargs`` go to :class:`aiohttp.ClientSession`).
+
+    Idle connections are dropped after ``keepalive`` seconds, below the
+    engine's own limit (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s, in vLLM's
+    uvicorn server): a request written on a connection the server is closing
+    at that moment fails with ``ServerDisconnectedError`` before the engine
+    ever reads it.
+    """
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(keepalive_timeout=keepalive), **kwargs)
 
 
 def load_router_config(path: str | Path) -> RouterConfig:
@@ -477,7 +501,7 @@ class Router:
         if self._session is not None:
             return
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.upstream_timeout)
-        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        self._session = engine_session(timeout, self.config.upstream_keepalive, auto_decompress=False)
         try:
             if self.model is None:
                 self.model = await self._discover_model()

@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.router.app import EngineSpec, RouterConfig, RunningRouter
+from examples.router.app import EngineSpec, RouterConfig, RunningRouter, engine_session
 from examples.vllm_fleet.fleet import Engine, VllmFleet
 
 __all__ = ["pd_router_config", "source_counters", "Turn", "run_turn", "main"]
@@ -187,9 +187,7 @@ def _row(i: int, turn: Turn, plan: Any, pd: Any) -> str:
 
 async def _demo(fleet: VllmFleet, turns: int = 4) -> None:
     rng = random.Random(3)
-    async with RunningRouter(pd_router_config(fleet)) as rr, aiohttp.ClientSession(
-        timeout=aiohttp.ClientTimeout(total=600)
-    ) as session:
+    async with RunningRouter(pd_router_config(fleet)) as rr, engine_session(aiohttp.ClientTimeout(total=600)) as session:
         router = rr.router
         for label, strip in (("client resends the history", False), ("client strips a span of answer 1", True)):
             print(f"\n== conversation: {label}")

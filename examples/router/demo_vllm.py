@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from examples.router.app import EngineSpec, Router, RouterConfig, RunningRouter
+from examples.router.app import EngineSpec, Router, RouterConfig, RunningRouter, engine_session
 from examples.vllm_fleet.fleet import Engine, VllmFleet, ensure_env
 from scorer.load import LoadSnapshot, fetch_load
 
@@ -330,7 +330,7 @@ async def replay_workload(
     """Send :func:`build_workload`'s requests through ``router``, one at a time."""
     assert router.router.model is not None
     records: list[Record] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with engine_session(aiohttp.ClientTimeout(total=120)) as session:
         for n, item in enumerate(build_workload(router.router.model, seed), 1):
             if isinstance(item, Conversation):
                 path, body = item.next_body(router.router.model)
@@ -352,7 +352,7 @@ async def reset_caches(engines: Sequence[Engine]) -> None:
     vLLM 0.32 publishes the AllBlocksCleared with its next scheduler step, so a
     prompt shorter than one block (it stores nothing) follows the reset.
     """
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with engine_session(aiohttp.ClientTimeout(total=60)) as session:
         for e in engines:
             async with session.post(e.base_url + "/reset_prefix_cache") as resp:
                 resp.raise_for_status()

@@ -40,7 +40,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from examples.router.app import RunningRouter
+from examples.router.app import RunningRouter, engine_session
 from examples.router.demo_vllm import reset_caches, router_config
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
 from scorer.load import fetch_load
@@ -122,7 +122,7 @@ async def _prepare(fleet: VllmFleet) -> None:
     """Empty the caches; every engine serves every prefix, then fillers push them out of the replay buffer."""
     prefixes, tails, fillers = _workload()
     await reset_caches(fleet.engines)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with engine_session(aiohttp.ClientTimeout(total=120)) as s:
         for k, e in enumerate(fleet.engines):
             for i, p in enumerate(prefixes):
                 await _complete(s, e.base_url, fleet.model_name, p + tails[(i, -1)])
@@ -136,7 +136,7 @@ async def _run_arm(fleet: VllmFleet, healing: bool) -> Arm:
     cfg = msgspec.structs.replace(router_config(fleet), healing=healing)
     t0 = time.monotonic()
     records: list[Req] = []
-    async with RunningRouter(cfg) as rr, aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+    async with RunningRouter(cfg) as rr, engine_session(aiohttp.ClientTimeout(total=120)) as s:
         router = rr.router
         ix = router.indexer
         assert ix is not None

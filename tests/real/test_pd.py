@@ -32,7 +32,7 @@ import msgspec
 import pytest
 
 from connector.guard import common_prefix_len
-from examples.router.app import RunningRouter
+from examples.router.app import RunningRouter, engine_session
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.vllm_fleet.fleet import FleetEnv, FleetError
 from examples.vllm_fleet.pd import PDFleet
@@ -134,7 +134,7 @@ class Outcome(msgspec.Struct, kw_only=True):
 async def scenario(fleet: PDFleet) -> dict[str, Any]:
     out: dict[str, Any] = {}
     timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with engine_session(timeout) as session:
         for guard in (True, False):
             async with RunningRouter(pd_router_config(fleet, guard=guard)) as rr:
 

@@ -40,7 +40,7 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.router.app import Router, RunningRouter, parse_engine_arg
+from examples.router.app import Router, RunningRouter, engine_session, parse_engine_arg
 from examples.router.demo_vllm import (
     Record,
     precision_recall,
@@ -82,7 +82,7 @@ async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
 
 
 async def _scenario(fleet: VllmFleet) -> Outcome:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with engine_session(aiohttp.ClientTimeout(total=120)) as session:
         await reset_caches(fleet.engines)
         start = time.monotonic()
         async with RunningRouter(router_config(fleet, "kvindex")) as rr:
@@ -287,7 +287,7 @@ def test_command_line_router(cli_router: tuple[str, subprocess.Popen[bytes]], vl
     url, proc = cli_router
 
     async def go() -> tuple[int, dict[str, str], Any]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with engine_session(aiohttp.ClientTimeout(total=60)) as session:
             deadline = time.monotonic() + 60
             while True:
                 assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
