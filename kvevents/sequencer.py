@@ -108,7 +108,9 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   seq 0).  A first message the engine's (empty) buffer does not hold is
   dropped: vLLM buffers each batch as it publishes it.  When the replay
   endpoint does not answer, the message waits for the stream's next message
-  to continue it, as without an endpoint.
+  to continue it; that one asks the endpoint once more, and if it still does
+  not answer, only the continuing message starts the stream (joined late,
+  incomplete): the first may be a message no process published.
 - A message inside a range a replay skipped is stale only when its engine
   time is not newer than the last applied batch's; a newer one may be a new
   process starting over, and is checked like a backward seq.
@@ -229,7 +231,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -272,6 +274,7 @@ class Sequencer:
         self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
+        self._start_alone = False  # the pending batch confirmed an unchecked start: if the replay fails, it starts the stream alone
         self.broken = False  # the index failed to take a write of this stream since its last rebuild
         self._rebuild_due = False
 
@@ -393,6 +396,14 @@ class Sequencer:
                     self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
                     self._apply(out, cb)
                     self.exact = cb.seq == 0 or cb.resets
+                elif self.last is None and self.has_replay:
+                    # a start nobody could check (the endpoint did not answer): ask it once more, it
+                    # rebuilds the stream from its buffer.  If it does not answer, only this message
+                    # is applied (joined late), never the candidate: one message before it may be
+                    # one no process published, and the endpoint is not there to tell
+                    self._pending = b
+                    self._start_alone = True
+                    return self._start_replay(out, "fresh", 0)
                 elif self.last is None and cb.seq == 0:
                     self.exact = True  # a stream starting at seq 0, confirmed by its next message
                     self._apply(out, cb)
@@ -634,6 +645,7 @@ class Sequencer:
             self._clear(out, "the engine's buffer no longer has our last batch nor anything after it")
             return self._start_replay(out, "restart", 0)
         pending, self._pending = self._pending, None
+        alone, self._start_alone = self._start_alone, False
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
             self.retry_attempts = 0
@@ -668,6 +680,10 @@ class Sequencer:
                     # the engine's buffer is empty: it has not published this message (vLLM
                     # buffers a batch as it publishes it); its next message starts the stream
                     out.append(Count("unconfirmed"))
+                elif alone:
+                    out.append(Count("unconfirmed"))  # the unchecked candidate it confirmed is not applied
+                    self.exact = False
+                    self._apply(out, pending)
                 else:
                     self._hold(out, "fwd", pending)  # could not ask: the next message must continue it
             elif pending.seq <= self.last:

@@ -394,8 +394,28 @@ def test_a_candidate_is_not_confirmed_by_an_older_message_nor_replaced_by_one() 
     assert applied(out) == [] and out[-1] == Replay(0)
     out = s.replay_end(False)
     assert counts(out).get("unconfirmed") == 1  # the older message does not replace the candidate
-    out = s.live(b(1, ts=2000.1))  # the engine's own next batch confirms it
-    assert applied(out) == [0, 1] and s.last_ts == 2000.1
+    out = s.live(b(1, ts=2000.1))  # the engine's own next batch confirms it: the endpoint is asked once more
+    assert applied(out) == [] and out[-1] == Replay(0)
+    out = s.replay_end(False)  # still no answer: the confirming batch starts the stream alone
+    assert applied(out) == [1] and s.last_ts == 2000.1 and not s.complete
+
+
+def test_an_unchecked_start_is_never_built_on_a_message_no_process_published() -> None:
+    """Retries spent, the engine's seq 0 lost to a full queue, a foreign message with seq 0 in
+    its place, then the engine's seq 1: the foreign one used to start the stream (applied, the
+    stream complete).  The endpoint is asked again and rebuilds the stream from its buffer."""
+    s = Sequencer(True, max_retries=0)
+    s.live(Batch(2**64 - 2, 1.0))  # a corrupt first message
+    s.replay_end(False)  # gave up at once
+    s.dropped()  # the engine's seq 0
+    assert s.live(Batch(0, 1.0))[-1] == Replay(0)
+    s.replay_end(False)  # held as a candidate
+    out = s.live(b(1, ts=1001.0))
+    assert applied(out) == [] and out[-1] == Replay(0)
+    for seq, ts in ((0, 1000.0), (1, 1001.0)):
+        s.replayed(b(seq, ts=ts))
+    out = s.replay_end(True)
+    assert s.last == 1 and s.last_ts == 1001.0 and s.complete
 
 
 def test_a_drop_marker_after_a_candidate_queued_before_it_discards_the_candidate() -> None:
