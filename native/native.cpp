@@ -45,6 +45,7 @@
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -591,10 +592,13 @@ class IdxSet {
 };
 
 // Holder::pf flags.  FLAG_S: the holder carries an entry of its stream (pod, model, rank):
-// holder.ek -> the block's request key.  FLAG_L: the holder carries its model's level-2 entry
-// holder.ek -> (the block's request key, 1 stream).  Entries that no holder can carry (the
-// engine key or model of the holder differs, more than one stream, a value that outlived its
-// holder) are kept explicitly in a U64Map beside the set.
+// holder.ek -> the block's request key; the entry is found through the model's level 2 (or,
+// in compat mode, where request keys are engine keys, through level 1), which always maps the
+// engine key of a carried stream entry to that entry's request key (IndexCore::link detaches
+// the carried entries of a level-2 value it replaces).  FLAG_L: the holder carries its model's
+// level-2 entry holder.ek -> (the block's request key, 1 stream).  Entries that no holder can
+// carry (the engine key or model of the holder differs, more than one stream, a value that
+// outlived its holder) are kept explicitly in a U64Map beside the set.
 constexpr uint16_t FLAG_S = 0x8000;
 constexpr uint16_t FLAG_L = 0x4000;
 
@@ -604,18 +608,14 @@ struct RkOf {
     void prefetch(u32 i) const { __builtin_prefetch(&(*blocks)[i]); }
 };
 
-// The holder of block i carrying a stream's (by_pod: pod, rid, model) or a model's level-2 entry.
+// The holder of block i carrying a model's level-2 entry (flag FLAG_L).
 struct HolderKey {
     const std::vector<Block>* blocks = nullptr;
     const std::vector<Attr>* attrs = nullptr;
-    uint16_t pod = 0, rid = 0, model = 0, flag = 0;
-    bool by_pod = false;
+    uint16_t model = 0, flag = 0;
     const Holder* holder(u32 i) const {
-        for (const Holder& h : (*blocks)[i].hs) {
-            if (!(h.pf & flag) || (by_pod && h.pod() != pod)) continue;
-            const Attr& a = (*attrs)[h.at];
-            if (a.model == model && (!by_pod || a.rid == rid)) return &h;
-        }
+        for (const Holder& h : (*blocks)[i].hs)
+            if ((h.pf & flag) && (*attrs)[h.at].model == model) return &h;
         return nullptr;
     }
     u64 operator()(u32 i) const {
@@ -627,12 +627,204 @@ struct HolderKey {
 
 using RkMap = IdxSet<RkOf>;
 
-// One publisher stream's engine key -> request key map.
+// A set of record indices (one stream's carried entries), so that clearing a stream costs
+// O(its entries): indices are cut into chunks of 2^16; a chunk keeps its members' low 16 bits as
+// a sorted array (2 bytes each, the array sized to them within 1/8) while it has at most 4,096,
+// else as a 65,536-bit map (8 KiB: at most 2 bytes a member); a map that falls to 2,048 members
+// becomes an array again.  The chunks are kept sorted by number; for_each visits the indices in
+// ascending order.
+class IdxBits {
+  public:
+    IdxBits() = default;
+    IdxBits(const IdxBits&) = delete;
+    IdxBits& operator=(const IdxBits&) = delete;
+    IdxBits(IdxBits&& o) noexcept : ch_(std::move(o.ch_)), size_(o.size_), last_(o.last_) {
+        o.ch_.clear();
+        o.size_ = 0;
+    }
+    IdxBits& operator=(IdxBits&& o) noexcept {
+        if (this != &o) {
+            release();
+            ch_ = std::move(o.ch_);
+            size_ = o.size_;
+            last_ = o.last_;
+            o.ch_.clear();
+            o.size_ = 0;
+        }
+        return *this;
+    }
+    ~IdxBits() { release(); }
+
+    size_t size() const { return size_; }
+    bool empty() const { return size_ == 0; }
+
+    // Adds i (no-op if present).
+    void insert(u32 i) {
+        u32 id = i >> 16;
+        uint16_t lo = (uint16_t)i;
+        size_t k = find_chunk(id);
+        if (k == NPOS) {
+            auto it = std::lower_bound(ch_.begin(), ch_.end(), id, [](const Chunk& c, u32 v) { return c.id < v; });
+            k = (size_t)(it - ch_.begin());
+            void* p = std::malloc(4 * sizeof(uint16_t));
+            if (!p) throw std::bad_alloc();
+            ch_.insert(it, Chunk{id, 0, 4, p});
+            last_ = k;
+        }
+        Chunk& c = ch_[k];
+        if (c.cap == 0) {
+            u64* w = static_cast<u64*>(c.p);
+            u64 b = 1ULL << (lo & 63);
+            if (w[lo >> 6] & b) return;
+            w[lo >> 6] |= b;
+        } else {
+            uint16_t* a = static_cast<uint16_t*>(c.p);
+            uint16_t* pos = std::lower_bound(a, a + c.n, lo);
+            if (pos != a + c.n && *pos == lo) return;
+            if (c.n == ARR_MAX) {
+                u64* w = static_cast<u64*>(std::calloc(WORDS, sizeof(u64)));
+                if (!w) throw std::bad_alloc();
+                for (u32 j = 0; j < c.n; ++j) w[a[j] >> 6] |= 1ULL << (a[j] & 63);
+                w[lo >> 6] |= 1ULL << (lo & 63);
+                std::free(a);
+                c.p = w;
+                c.cap = 0;
+            } else {
+                if (c.n == c.cap) {
+                    u32 ncap = std::min<u32>(ARR_MAX, c.cap + std::max<u32>(4, c.cap / 8));
+                    size_t off = (size_t)(pos - a);
+                    a = static_cast<uint16_t*>(std::realloc(a, ncap * sizeof(uint16_t)));
+                    if (!a) throw std::bad_alloc();
+                    c.p = a;
+                    c.cap = ncap;
+                    pos = a + off;
+                }
+                std::memmove(pos + 1, pos, (size_t)(a + c.n - pos) * sizeof(uint16_t));
+                *pos = lo;
+            }
+        }
+        ++c.n;
+        ++size_;
+    }
+
+    // Removes i; false if absent.
+    bool erase(u32 i) {
+        size_t k = find_chunk(i >> 16);
+        if (k == NPOS) return false;
+        uint16_t lo = (uint16_t)i;
+        Chunk& c = ch_[k];
+        if (c.cap == 0) {
+            u64* w = static_cast<u64*>(c.p);
+            u64 b = 1ULL << (lo & 63);
+            if (!(w[lo >> 6] & b)) return false;
+            w[lo >> 6] &= ~b;
+            --c.n;
+            if (c.n <= ARR_MIN) {
+                uint16_t* a = static_cast<uint16_t*>(std::malloc(std::max<u32>(c.n, 1) * sizeof(uint16_t)));
+                if (!a) {
+                    w[lo >> 6] |= b;
+                    ++c.n;
+                    throw std::bad_alloc();
+                }
+                u32 n = 0;
+                for (u32 j = 0; j < WORDS; ++j)
+                    for (u64 m = w[j]; m; m &= m - 1) a[n++] = (uint16_t)(j * 64 + __builtin_ctzll(m));
+                std::free(w);
+                c.p = a;
+                c.cap = std::max<u32>(c.n, 1);
+            }
+        } else {
+            uint16_t* a = static_cast<uint16_t*>(c.p);
+            uint16_t* pos = std::lower_bound(a, a + c.n, lo);
+            if (pos == a + c.n || *pos != lo) return false;
+            std::memmove(pos, pos + 1, (size_t)(a + c.n - pos - 1) * sizeof(uint16_t));
+            --c.n;
+            if (c.n == 0) {
+                std::free(a);
+                ch_.erase(ch_.begin() + (long)k);
+                last_ = 0;
+            } else if (c.cap >= 2 * c.n + 8) {
+                u32 ncap = c.n + c.n / 8 + 4;
+                if (void* p = std::realloc(a, ncap * sizeof(uint16_t))) {
+                    c.p = p;
+                    c.cap = ncap;
+                }
+            }
+        }
+        --size_;
+        if (size_ == 0) std::vector<Chunk>().swap(ch_);
+        return true;
+    }
+
+    bool contains(u32 i) const {
+        size_t k = find_chunk(i >> 16);
+        if (k == NPOS) return false;
+        uint16_t lo = (uint16_t)i;
+        const Chunk& c = ch_[k];
+        if (c.cap == 0) return (static_cast<const u64*>(c.p)[lo >> 6] >> (lo & 63)) & 1;
+        const uint16_t* a = static_cast<const uint16_t*>(c.p);
+        return std::binary_search(a, a + c.n, lo);
+    }
+
+    // f(index) for every member, ascending; f must not change the set.
+    template <class F>
+    void for_each(F&& f) const {
+        for (const Chunk& c : ch_) {
+            u32 base = c.id << 16;
+            if (c.cap == 0) {
+                const u64* w = static_cast<const u64*>(c.p);
+                for (u32 j = 0; j < WORDS; ++j)
+                    for (u64 m = w[j]; m; m &= m - 1) f(base | (j * 64 + (u32)__builtin_ctzll(m)));
+            } else {
+                const uint16_t* a = static_cast<const uint16_t*>(c.p);
+                for (u32 j = 0; j < c.n; ++j) f(base | a[j]);
+            }
+        }
+    }
+
+    size_t bytes() const {
+        size_t b = ch_.capacity() * sizeof(Chunk);
+        for (const Chunk& c : ch_) b += c.cap == 0 ? WORDS * sizeof(u64) : c.cap * sizeof(uint16_t);
+        return b;
+    }
+
+  private:
+    static constexpr u32 ARR_MAX = 4096, ARR_MIN = 2048, WORDS = 1024;
+    static constexpr size_t NPOS = ~size_t(0);
+    struct Chunk {
+        u32 id;   // index >> 16
+        u32 n;    // members
+        u32 cap;  // array capacity (entries); 0: p is a bitmap of WORDS words
+        void* p;
+    };
+
+    size_t find_chunk(u32 id) const {
+        if (last_ < ch_.size() && ch_[last_].id == id) return last_;
+        auto it = std::lower_bound(ch_.begin(), ch_.end(), id, [](const Chunk& c, u32 v) { return c.id < v; });
+        if (it == ch_.end() || it->id != id) return NPOS;
+        last_ = (size_t)(it - ch_.begin());
+        return last_;
+    }
+
+    void release() {
+        for (Chunk& c : ch_) std::free(c.p);
+        ch_.clear();
+    }
+
+    std::vector<Chunk> ch_;
+    size_t size_ = 0;
+    mutable size_t last_ = 0;
+};
+
+// One publisher stream's engine key -> request key map: the entries its holders carry (FLAG_S;
+// found through level 2, or level 1 in compat mode; `carried` lists their records for clears)
+// and the others, explicit.
 struct Stream {
-    IdxSet<HolderKey> t;  // entries carried by holders (FLAG_S)
-    U64Map<u64> x;        // the others
-    size_t size() const { return t.size() + x.size(); }
-    bool empty() const { return t.empty() && x.empty(); }
+    IdxBits carried;  // records whose holder of this stream carries an entry (FLAG_S)
+    U64Map<u64> x;    // the others
+    uint16_t pod = 0, rid = 0, model = 0;
+    size_t size() const { return carried.size() + x.size(); }
+    bool empty() const { return carried.empty() && x.empty(); }
 };
 
 // One model's level 2: engine key -> (request key, streams mapping it).
@@ -771,8 +963,8 @@ class IndexCore {
             {
                 // take the stream's entries out (the holders carrying them let go) and drop it
                 Stream& st = streams_.find(sid)->second;
-                st.t.for_each([&](u32 bi) {
-                    Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
+                st.carried.for_each([&](u32 bi) {
+                    Holder* h = s_holder(st, bi);
                     ents.emplace_back(h->ek, blocks_[bi].rk);
                     h->pf &= (uint16_t)~FLAG_S;
                 });
@@ -1367,7 +1559,7 @@ class IndexCore {
         for (const Block& blk : blocks_)
             b += blk.hs.heap_bytes();
         b += attrs_.capacity() * sizeof(Attr) + rank_vals_.capacity() * sizeof(int32_t);
-        for (auto& kv : streams_) b += kv.second.t.bytes() + kv.second.x.bytes() + 96;
+        for (auto& kv : streams_) b += kv.second.carried.bytes() + kv.second.x.bytes() + 96;
         return b;
     }
 
@@ -1402,13 +1594,24 @@ class IndexCore {
                 if (!h || t.find(h->ek) != bi) throw std::runtime_error("a carried entry without its holder");
             });
         };
-        for (auto& kv : streams_) check_set(kv.second.t);
         for (auto& e : engines_) check_set(e.second.t);
+        // carried stream entries: each listed record has the stream's flagged holder, found through
+        // level 2 (level 1 in compat mode) by its engine key, with no explicit entry beside it
+        for (auto& kv : streams_) {
+            const Stream& st = kv.second;
+            st.carried.for_each([&](u32 bi) {
+                const Holder* h = s_holder(st, bi);
+                if (!h) throw std::runtime_error("a listed stream record without its holder");
+                if (carried_block(st.model, h->ek) != bi)
+                    throw std::runtime_error("a carried stream entry that its lookup does not find");
+                if (st.x.find(h->ek)) throw std::runtime_error("a carried stream entry also kept explicitly");
+            });
+        }
         for (u32 i = lru_head_; i != NIL; i = blocks_[i].next)
             for (const Holder& h : blocks_[i].hs) {
                 if (h.pf & FLAG_S) {
                     auto it = streams_.find(stream_id(h.pod(), hmodel(h), hrank(h)));
-                    if (it == streams_.end() || it->second.t.find(h.ek) != i)
+                    if (it == streams_.end() || !it->second.carried.contains(i))
                         throw std::runtime_error("a holder's stream entry is missing");
                 }
                 if (h.pf & FLAG_L) {
@@ -1766,21 +1969,57 @@ class IndexCore {
 
     Stream& stream_mk(u64 sid) {
         auto [it, ins] = streams_.try_emplace(sid);
-        if (ins)
-            it->second.t.key() = HolderKey{&blocks_, &attrs_, stream_pod(sid), rank_id(stream_rank(sid)), stream_model(sid),
-                                           FLAG_S, true};
+        if (ins) {
+            it->second.pod = stream_pod(sid);
+            it->second.rid = rank_id(stream_rank(sid));
+            it->second.model = stream_model(sid);
+        }
         return it->second;
     }
 
     // ---- the entries of one stream (engine key -> request key)
 
-    bool s_find(const Stream& st, u64 ek, u64& rk) const {
+    // The holder of block bi carrying an entry of stream st (FLAG_S), or nullptr.
+    Holder* s_holder(const Stream& st, u32 bi) {
+        for (Holder& h : blocks_[bi].hs) {
+            if (!(h.pf & FLAG_S) || h.pod() != st.pod) continue;
+            const Attr& a = attrs_[h.at];
+            if (a.model == st.model && a.rid == st.rid) return &h;
+        }
+        return nullptr;
+    }
+    const Holder* s_holder(const Stream& st, u32 bi) const { return const_cast<IndexCore*>(this)->s_holder(st, bi); }
+
+    // The record that would carry a stream entry of model mid for engine key ek: the record of
+    // level 2's request key for (mid, ek) (compat mode: of request key ek), or NIL.
+    u32 carried_block(uint16_t mid, u64 ek) const {
+        if (compat_) return rk_map_.find(ek);
+        const Engine* em = nullptr;
+        for (auto& e : engines_)
+            if (e.first == mid) em = &e.second;
+        if (!em) return NIL;
+        if (const EngineRef* v = em->x.find(ek)) return rk_map_.find(v->rk);
+        return em->t.find(ek);
+    }
+
+    // The holder carrying stream st's entry for ek (its record in *bi), or nullptr.
+    Holder* s_carrier(const Stream& st, u64 ek, u32* bi) {
+        if (st.carried.empty()) return nullptr;
+        u32 b = carried_block(st.model, ek);
+        if (b == NIL) return nullptr;
+        Holder* h = s_holder(st, b);
+        if (!h || h->ek != ek) return nullptr;
+        *bi = b;
+        return h;
+    }
+
+    bool s_find(const Stream& st, u64 ek, u64& rk) {
         if (const u64* v = st.x.find(ek)) {
             rk = *v;
             return true;
         }
-        u32 bi = st.t.find(ek);
-        if (bi == NIL) return false;
+        u32 bi;
+        if (!s_carrier(st, ek, &bi)) return false;
         rk = blocks_[bi].rk;
         return true;
     }
@@ -1792,18 +2031,37 @@ class IndexCore {
             st.x.erase(ek);
             return true;
         }
-        u32 bi = st.t.find(ek);
-        if (bi == NIL || blocks_[bi].rk != rk) return false;
-        Holder* h = const_cast<Holder*>(st.t.key().holder(bi));
-        st.t.erase(ek);  // the holder keeps FLAG_S until its slot is gone (the set reads its key)
+        u32 bi;
+        Holder* h = s_carrier(st, ek, &bi);
+        if (!h || blocks_[bi].rk != rk) return false;
         h->pf &= (uint16_t)~FLAG_S;
+        st.carried.erase(bi);
         return true;
     }
 
     template <class F>
     void s_for_each(const Stream& st, F&& f) const {
-        st.t.for_each([&](u32 bi) { f(st.t.key()(bi), blocks_[bi].rk); });
+        st.carried.for_each([&](u32 bi) { f(s_holder(st, bi)->ek, blocks_[bi].rk); });
         st.x.for_each([&](u64 ek, u64 rk) { f(ek, rk); });
+    }
+
+    // The stream entry holder h of block bi carries becomes explicit (its engine key or level-2
+    // value is about to change, or the holder goes).
+    void s_detach(u32 bi, Holder& h) {
+        Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h)));
+        st->carried.erase(bi);
+        h.pf &= (uint16_t)~FLAG_S;
+        *st->x.emplace(h.ek).first = blocks_[bi].rk;
+    }
+
+    // Level 2's value for (mid, ek) is changing from `old`: the stream entries carried for ek
+    // (all on old's record) become explicit, so that their lookups, which go through level 2,
+    // still find them.
+    void s_detach_value(uint16_t mid, u64 ek, u64 old) {
+        u32 bi = rk_map_.find(old);
+        if (bi == NIL) return;
+        for (Holder& h : blocks_[bi].hs)
+            if ((h.pf & FLAG_S) && h.ek == ek && hmodel(h) == mid) s_detach(bi, h);
     }
 
     std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
@@ -1845,12 +2103,7 @@ class IndexCore {
     void detach(u32 bi, Holder& h) {
         if (!(h.pf & (FLAG_S | FLAG_L))) return;
         u64 rk = blocks_[bi].rk;
-        if (h.pf & FLAG_S) {
-            Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h)));
-            st->t.erase(h.ek);
-            h.pf &= (uint16_t)~FLAG_S;
-            *st->x.emplace(h.ek).first = rk;
-        }
+        if (h.pf & FLAG_S) s_detach(bi, h);
         if (h.pf & FLAG_L) {
             Engine* em = engine_map(hmodel(h));
             em->t.erase(h.ek);
@@ -1961,23 +2214,19 @@ class IndexCore {
         bool has = s_find(st, ek, cur);
         if (!has || cur != rk) {
             if (has) s_erase_if(st, ek, cur);
-            if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_S)) {
-                st.t.insert(ek, bi);
-                hd.pf |= FLAG_S;
-            } else {
-                *st.x.emplace(ek).first = rk;
-            }
             if (!compat_) {
                 Engine* em = engine_map(mid);
                 if (!em) {
                     engines_.emplace_back(mid, Engine());
                     em = &engines_.back().second;
-                    em->t.key() = HolderKey{&blocks_, &attrs_, 0, 0, mid, FLAG_L, false};
+                    em->t.key() = HolderKey{&blocks_, &attrs_, mid, FLAG_L};
                 }
                 if (EngineRef* v = em->x.find(ek)) {
+                    if (v->rk != rk) s_detach_value(mid, ek, v->rk);
                     v->rk = rk;
                     v->refs += 1;
                 } else if (u32 bj = em->t.find(ek); bj != NIL) {
+                    if (blocks_[bj].rk != rk) s_detach_value(mid, ek, blocks_[bj].rk);
                     e_untake(*em, ek, bj);
                     EngineRef* e = em->x.emplace(ek).first;
                     e->rk = rk;
@@ -1990,6 +2239,14 @@ class IndexCore {
                     e->rk = rk;
                     e->refs = 1;
                 }
+            }
+            // the holder carries the entry when its lookup (level 2, or level 1 in compat mode)
+            // leads to this record
+            if (hmodel(hd) == mid && hd.ek == ek && !(hd.pf & FLAG_S) && (!compat_ || rk == ek)) {
+                hd.pf |= FLAG_S;
+                st.carried.insert(bi);
+            } else {
+                *st.x.emplace(ek).first = rk;
             }
         }
         ++c_stored_blocks_;
