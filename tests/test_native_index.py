@@ -106,6 +106,10 @@ class SameSteps(RuleBasedStateMachine):
             NativeKVBlockIndex(U.tp, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
         ]
 
+    def keys(self, p: int) -> list[int]:
+        """The request keys of path p (what the read path looks up)."""
+        return U.request_keys(p)
+
     def both(self, name, *args, **kw):
         results = []
         for ix in self.ixs:
@@ -161,12 +165,12 @@ class SameSteps(RuleBasedStateMachine):
     @rule(pod=st.sampled_from(PODS), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
           ttl=st.sampled_from([1.0, 5.0]))
     def speculative(self, pod, path, n, ttl):
-        self.both("add_speculative", U.request_keys(path)[:n], pod, ttl)
+        self.both("add_speculative", self.keys(path)[:n], pod, ttl)
 
     @rule(pod=st.sampled_from(PODS + ["d"]), path=st.integers(0, len(U.paths) - 1), n=st.integers(1, 6),
           tier=st.sampled_from(["decode_retained", "gpu"]), add=st.booleans())
     def held(self, pod, path, n, tier, add):
-        self.both("add_held" if add else "remove_held", pod, U.request_keys(path)[:n], tier)
+        self.both("add_held" if add else "remove_held", pod, self.keys(path)[:n], tier)
 
     @rule(pod=st.sampled_from(PODS), rank=st.sampled_from(RANKS), model=st.sampled_from(MODELS),
           steps=st.lists(st.tuples(
@@ -216,7 +220,7 @@ class SameSteps(RuleBasedStateMachine):
           pods=st.none() | st.lists(st.sampled_from(PODS + ["d", "zz"]), max_size=3),
           as_array=st.booleans())
     def match(self, path, pods, as_array):
-        keys = U.request_keys(path)
+        keys = self.keys(path)
         arg = np.array(keys, dtype=np.uint64) if as_array else keys
         self.both("prefix_match", arg, pods)
 
@@ -229,8 +233,9 @@ class SameSteps(RuleBasedStateMachine):
         ref, nat = self.ixs
         if not hasattr(nat, "match_tokens"):  # the machine also drives other backends (tests/test_redis_index.py)
             return
+        from_tokens = from_tokens and not ref.token_processor.engine_compatible  # compat keys are U's engine keys
         weights = [1.0, 0.75, 0.5, 0.25]
-        keys = U.request_keys(path)
+        keys = self.keys(path)
         want = _summarise(ref.prefix_match(keys, pods), weights)
         if from_tokens:
             ranks: dict = {}
@@ -245,14 +250,14 @@ class SameSteps(RuleBasedStateMachine):
 
     @rule(path=st.integers(0, len(U.paths) - 1), pod=st.sampled_from(PODS))
     def dp_rank(self, path, pod):
-        self.both("best_dp_rank", pod, U.request_keys(path))
+        self.both("best_dp_rank", pod, self.keys(path))
 
     @invariant()
     def same_reads(self):
         if not self.ixs:
             return
         for p in range(len(U.paths)):
-            keys = U.request_keys(p)
+            keys = self.keys(p)
             self.both("lookup", keys)
             for i in range(len(keys)):
                 self.both("request_key_of", U.ek(p, i))
@@ -271,6 +276,30 @@ class SameSteps(RuleBasedStateMachine):
 TestSameSteps = SameSteps.TestCase
 TestSameSteps.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+class CompatSameSteps(SameSteps):
+    """SameSteps in engine-compatible mode: request keys are engine keys, no level 2; the
+    compiled index finds a stream's carried entries through level 1."""
+
+    TP = TokenProcessor(block_size=BS, algorithm="vllm_sha256_cbor")
+
+    @initialize(capacity=st.sampled_from([3, 8, 1_000]), orphans=st.sampled_from([0, 4, 100]))
+    def build(self, capacity, orphans):
+        clock = lambda: self.now[0]  # noqa: E731
+        self.ixs = [
+            KVBlockIndex(self.TP, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
+            NativeKVBlockIndex(self.TP, capacity=capacity, max_orphan_blocks=orphans, clock=clock),
+        ]
+
+    def keys(self, p: int) -> list[int]:
+        return [U.ek(p, i) for i in range(U.n_blocks(p))]
+
+
+TestCompatSameSteps = CompatSameSteps.TestCase
+TestCompatSameSteps.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 
 
