@@ -294,14 +294,14 @@ void chain_into(u64 state, const u64* toks, size_t nblocks, const u64* K, size_t
 
 // ---------------------------------------------------------------- the index
 
-// One (pod, DP rank) holding a block: 12 bytes (4-byte aligned).  The holder's model, DP rank
+// One (pod, DP rank) holding a block: 12 bytes (byte-aligned: it sits inline in 27-byte records).  The holder's model, DP rank
 // and tier mask are interned together as one 16-bit attribute id (IndexCore::attrs_: few
 // distinct combinations, append-only); the pod slot takes 14 bits and two flags the top two.
 constexpr uint16_t POD_BITS = 0x3FFF;   // pod slot bits of Holder::pf
 constexpr uint16_t MAX_PODS = 0x3FFD;   // pod slots 0 .. MAX_PODS - 1
 constexpr uint16_t POD_EMPTY = 0xFFFD;  // pf of an empty inline holder slot (no real holder has it)
 constexpr uint16_t POD_SPILL = 0xFFFF;  // pf marking holders spilled to the heap
-#pragma pack(push, 4)
+#pragma pack(push, 1)
 struct Holder {
     u64 ek;       // the engine key this (pod, rank) stored the block under
     uint16_t pf;  // pod slot (low 14 bits), FLAG_S and FLAG_L (top 2)
@@ -401,7 +401,7 @@ class HolderVec {
     void release() {
         if (spilled()) ::operator delete(u_.sp.many);
     }
-#pragma pack(push, 4)
+#pragma pack(push, 1)
     union U {
         Holder one;
         struct {
@@ -415,14 +415,36 @@ class HolderVec {
 };
 static_assert(sizeof(HolderVec) == 12, "HolderVec is 12 bytes");
 
-#pragma pack(push, 4)
-struct Block {  // 28 bytes, 4-byte aligned
+// Block records are 27 bytes, byte-aligned: the request key, the two LRU links (27-bit record
+// indices, packed into 7 bytes; LINK_NIL stands for NIL) and the holders.
+constexpr u32 LINK_BITS = 27;
+constexpr u32 LINK_NIL = (1u << LINK_BITS) - 1;  // above every record index (MAX_BLOCKS)
+#pragma pack(push, 1)
+struct Block {
     u64 rk = 0;
-    u32 prev = NIL, next = NIL;  // LRU: prev = less recently used
+    uint8_t lk[7];  // prev (bits 0-26; the less recently used neighbour) and next (bits 27-53), little-endian
     HolderVec hs;
+
+    Block() { set_links(((u64)LINK_NIL << LINK_BITS) | LINK_NIL); }
+    u32 prev() const { return unlink_nil((u32)(links() & LINK_NIL)); }
+    u32 next() const { return unlink_nil((u32)((links() >> LINK_BITS) & LINK_NIL)); }
+    void set_prev(u32 i) { set_links((links() & ~(u64)LINK_NIL) | link_nil(i)); }
+    void set_next(u32 i) { set_links((links() & ~((u64)LINK_NIL << LINK_BITS)) | ((u64)link_nil(i) << LINK_BITS)); }
+
+  private:
+    static u32 unlink_nil(u32 v) { return v == LINK_NIL ? NIL : v; }
+    static u64 link_nil(u32 i) { return i == NIL ? LINK_NIL : i; }
+    u64 links() const {
+        u64 v = 0;
+        for (int k = 0; k < 7; ++k) v |= (u64)lk[k] << (8 * k);
+        return v;
+    }
+    void set_links(u64 v) {
+        for (int k = 0; k < 7; ++k) lk[k] = (uint8_t)(v >> (8 * k));
+    }
 };
 #pragma pack(pop)
-static_assert(sizeof(Block) == 28, "Block is 28 bytes");
+static_assert(sizeof(Block) == 27, "Block is 27 bytes");
 
 #pragma pack(push, 4)
 struct EngineRef {  // 12 bytes: level 2 holds one per (model, engine key)
@@ -1537,7 +1559,7 @@ class IndexCore {
     std::vector<std::pair<u64, u64>> tier_counts() {
         std::vector<std::pair<u64, u64>> out(64, {0, 0});
         std::shared_lock lk(mu_);
-        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next()) {
             u64 uni = 0;
             for (const Holder& h : blocks_[i].hs) {
                 uni |= hmask(h);
@@ -1568,8 +1590,8 @@ class IndexCore {
         std::shared_lock lk(mu_);
         size_t n = 0;
         u32 prev = NIL;
-        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
-            if (blocks_[i].prev != prev) throw std::runtime_error("LRU links broken");
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next()) {
+            if (blocks_[i].prev() != prev) throw std::runtime_error("LRU links broken");
             Found bi = rk_map_.find_ptr(blocks_[i].rk);
             if (!bi || *bi != i) throw std::runtime_error("level 1 does not map a listed block");
             if (blocks_[i].hs.empty()) throw std::runtime_error("a block without holders");
@@ -1579,7 +1601,7 @@ class IndexCore {
         if (prev != lru_tail_) throw std::runtime_error("LRU tail wrong");
         if (n != rk_map_.size()) throw std::runtime_error("LRU length != level 1 size");
         std::vector<u64> counted(pod_names_.size(), 0);
-        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next) {
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next()) {
             std::vector<uint16_t> seen;
             for (const Holder& h : blocks_[i].hs)
                 if (std::find(seen.begin(), seen.end(), h.pod()) == seen.end()) seen.push_back(h.pod());
@@ -1607,7 +1629,7 @@ class IndexCore {
                 if (st.x.find(h->ek)) throw std::runtime_error("a carried stream entry also kept explicitly");
             });
         }
-        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next)
+        for (u32 i = lru_head_; i != NIL; i = blocks_[i].next())
             for (const Holder& h : blocks_[i].hs) {
                 if (h.pf & FLAG_S) {
                     auto it = streams_.find(stream_id(h.pod(), hmodel(h), hrank(h)));
@@ -2130,16 +2152,18 @@ class IndexCore {
 
     void lru_unlink(u32 i) {
         Block& b = blocks_[i];
-        if (b.prev != NIL) blocks_[b.prev].next = b.next; else lru_head_ = b.next;
-        if (b.next != NIL) blocks_[b.next].prev = b.prev; else lru_tail_ = b.prev;
-        b.prev = b.next = NIL;
+        u32 p = b.prev(), n = b.next();
+        if (p != NIL) blocks_[p].set_next(n); else lru_head_ = n;
+        if (n != NIL) blocks_[n].set_prev(p); else lru_tail_ = p;
+        b.set_prev(NIL);
+        b.set_next(NIL);
     }
 
     void lru_push(u32 i) {
         Block& b = blocks_[i];
-        b.prev = lru_tail_;
-        b.next = NIL;
-        if (lru_tail_ != NIL) blocks_[lru_tail_].next = i; else lru_head_ = i;
+        b.set_prev(lru_tail_);
+        b.set_next(NIL);
+        if (lru_tail_ != NIL) blocks_[lru_tail_].set_next(i); else lru_head_ = i;
         lru_tail_ = i;
     }
 
