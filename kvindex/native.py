@@ -11,11 +11,13 @@ Where the work happens:
 - In C++ (``kvindex._native.IndexCore``, native/native.cpp), with the GIL
   released: level 1 (request key -> holders: pod slot, DP rank, tier mask,
   engine key) as an open-addressing table of 4-byte block indices over
-  28-byte block records with an intrusive LRU list by block index; level 2
-  (engine key -> request key, reference counted) and the per-(pod, DP rank,
-  model) engine key -> request key maps that make a clear cost O(the pod's
-  keys), both as tables of block indices keyed through the holders (see the
-  layout notes at the top of native/native.cpp); pod slots, reused when a pod holds nothing; the chaining of
+  27-byte block records with an intrusive LRU list by block index; level 2
+  (engine key -> request key, reference counted) as a table of block indices
+  keyed through the holders; the per-(pod, DP rank, model) engine key ->
+  request key maps, whose entries the holders carry (found through level 2)
+  and whose records a per-stream set of record indices lists, so that a
+  clear costs O(the pod's keys) (see the layout notes at the top of
+  native/native.cpp); pod slots, reused when a pod holds nothing; the chaining of
   an event's request keys (``xxh3_chain``, bit-identical to
   :mod:`kvindex.keys`) and the storing of all its blocks, in one call; whole
   runs of a decoded batch's events (:meth:`apply_events`, the pool's call), in

@@ -6,18 +6,20 @@
 //  * IndexCore: the data of the two-level KV block index (see kvindex/native.py, the
 //    Python class around it, for the event semantics; they mirror kvindex/index.py).
 //
-// Layout (IndexCore), about 44 bytes per (block, pod) at 10 M entries, 8 pods:
-//  * blocks: a vector of 28-byte Block records (request key, intrusive LRU links as indices, one
-//    12-byte Holder inline or a heap array sized to the holders); freed records are reused
+// Layout (IndexCore), about 39 bytes per (block, pod) at 10 M entries, 8 pods:
+//  * blocks: a vector of 27-byte Block records (request key, intrusive LRU links as 27-bit indices,
+//    one 12-byte Holder inline or a heap array sized to the holders); freed records are reused
 //    through a free list; a holder keeps its engine key, a 14-bit pod slot with two flags, and one
 //    interned id of its (model, DP rank, tier mask);
 //  * level 1: a set of block indices (4 bytes a slot: 27-bit index and 5-bit probe distance, Robin
 //    Hood linear probing, 70-87.5 % full) keyed by the block's request key;
+//  * level 2: per model, engine key -> (request key, number of streams), as a set of block indices
+//    keyed by the engine key of the holder that carries the entry (FLAG_L), plus an explicit map
+//    for entries no holder can carry;
 //  * streams: per (pod slot, model, DP rank), engine key -> request key, so that clearing a pod
-//    costs O(that pod's keys);
-//  * level 2: per model, engine key -> (request key, number of streams);
-//    both as sets of block indices keyed by the engine key of the holder that carries the entry
-//    (FLAG_S / FLAG_L in the holder), plus explicit maps for entries no holder can carry;
+//    costs O(that pod's keys): the entries its holders carry (FLAG_S), found through level 2 (level
+//    1 in compat mode) and listed for clears in a chunked set of record indices (IdxBits), plus an
+//    explicit map for the others;
 //  * pods: name <-> 14-bit slot (at most 16,381 pods); a slot is reused once its pod holds nothing.
 //
 // Locking: one std::shared_mutex.  Writers (store/remove/clear) hold it exclusively;
@@ -475,7 +477,7 @@ constexpr u32 DIST_CAP = 31;
 // entries with the key's own home; deletion shifts the run back (no tombstones).  The home slot is
 // Lemire's multiply-shift range reduction of fmix64(key), so the table size is any integer: once
 // 7/8 full it doubles below 2^17 slots, and beyond grows by 1.25x, staying 70-87.5 % full.  Level 1 keys blocks by
-// request key; each stream and each model's level 2 key blocks by a holder's engine key.
+// request key; each model's level 2 keys blocks by a holder's engine key.
 template <class KeyOf>
 class IdxSet {
   public:

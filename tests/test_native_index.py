@@ -314,6 +314,48 @@ def test_pod_slots_are_reused_when_pods_leave():
     ix.check()
 
 
+def test_streams_of_many_records_read_and_clear_as_the_reference():
+    """Streams past the small cases of the state machine: more than 65,536 records (several chunks
+    of a stream's record set), chunks past 4,096 members (bitmaps), removals down below 2,048
+    (arrays again), records reused in random order, and clears, against the reference."""
+    tp = TokenProcessor(block_size=1)
+    ref, nat = KVBlockIndex(tp, capacity=10**6), NativeKVBlockIndex(tp, capacity=10**6)
+    rnd = random.Random(5)
+    by_pod: dict[str, list[int]] = {"a": [], "b": []}
+    seq = 0
+
+    def store(pod: str, n: int) -> None:
+        nonlocal seq
+        eks = [rnd.getrandbits(64) for _ in range(n)]
+        toks = [seq] + [rnd.randrange(1, 50_000) for _ in range(n - 1)]  # every sequence distinct
+        seq += 1
+        for ix in (ref, nat):
+            ix.block_stored(pod, 0, eks, None, toks, "gpu", block_size=1)
+        by_pod[pod].extend(eks)
+
+    def same() -> None:
+        nat.check()
+        for pod in ("a", "b"):
+            assert nat.pod_keys(pod) == ref.pod_keys(pod)
+        assert nat.stats() == ref.stats()
+
+    for k in range(560):  # 143,360 records, 256 per event, the pods alternating
+        store("ab"[k % 2], 256)
+    same()
+    gone = rnd.sample(by_pod["a"], len(by_pod["a"]) * 19 // 20)
+    for i in range(0, len(gone), 1000):
+        assert nat.block_removed("a", 0, gone[i:i + 1000], "gpu") == ref.block_removed("a", 0, gone[i:i + 1000], "gpu")
+    same()
+    for k in range(100):  # the freed records come back in random order (into a's arrays, b's bitmaps)
+        store("ab"[k % 2], 64)
+    same()
+    assert nat.clear("a") == ref.clear("a")
+    same()
+    assert nat.clear("b", 0) == ref.clear("b", 0)
+    same()
+    assert len(nat) == len(ref) == 0
+
+
 def test_prefix_summary_equals_scoring_the_masks():
     ix = NativeKVBlockIndex(U.tp)
     ref = KVBlockIndex(U.tp)
