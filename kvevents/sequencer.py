@@ -79,6 +79,12 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   (e.g. seq 2**64 - 2, or our last seq with an old time) can never clear a
   pod or be applied.  (Limit: an engine whose wall clock steps back across
   a restart, with no replay endpoint to ask, is not seen as restarted.)
+- A backward message the check finds from the process holding our last
+  batch, at a seq where we applied an older process's batch (kept for the
+  last ``RECENT`` applied batches), means a new process's first batches came
+  after its next one, which continued our sequence: what we hold mixes two
+  processes, and the stream is cleared and rebuilt from the buffer.  One with
+  the timestamp of the batch we applied there is a duplicate.
 - A message with the next seq but an engine timestamp older than the last
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
@@ -231,7 +237,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -239,6 +245,9 @@ class Sequencer:
 
     #: replayed-batch timestamps kept to recognise duplicates (bounded)
     MAX_REMEMBERED = 50_000
+
+    #: applied batches (live or replayed) whose timestamps are kept to judge a backward message
+    RECENT = 64
 
     #: the replay ops whose failure (nothing applied) is retried with backoff
     RETRIED_OPS = ("gap", "fresh", "bootstrap", "resync", "restart")
@@ -259,6 +268,7 @@ class Sequencer:
         self.suspect = False  # the connection dropped since ``last``
         self.complete = False
         self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
+        self._recent: dict[int, float] = {}  # seq -> ts of the last RECENT batches applied (live or replayed)
         self._replay_max = -1
         self._holes: list[tuple[int, int]] = []  # seq ranges a replay could not deliver
         self._candidate: tuple[str, Batch] | None = None  # ("back" | "fwd", batch) awaiting confirmation
@@ -291,6 +301,11 @@ class Sequencer:
     def _apply(self, out: list[Action], b: Batch, replayed: bool = False) -> None:
         self.last = b.seq
         self.last_ts = b.ts
+        recent = self._recent
+        recent.pop(b.seq, None)
+        recent[b.seq] = b.ts
+        if len(recent) > self.RECENT:
+            del recent[next(iter(recent))]
         if b.resets:
             self.exact = True  # AllBlocksCleared: the engine's state is known from here
         if b.lossy:
@@ -302,6 +317,7 @@ class Sequencer:
         self._check_due = False
         self.last = self.last_ts = None
         self._replayed.clear()
+        self._recent.clear()
         self._replay_max = -1
         self._holes.clear()
         self.exact = False
@@ -755,7 +771,18 @@ class Sequencer:
             return out
         if same:
             if pending is not None and pending.seq <= (self.last if self.last is not None else -1):
-                out.append(Count("unconfirmed"))  # a message that is not the engine's
+                ours = self._recent.get(pending.seq)
+                if ours is not None and ours == pending.ts:
+                    out.append(Count("duplicates"))
+                elif ours is not None and ours < pending.ts < self.last_ts:  # type: ignore[operator]
+                    # the process that holds our last batch published this one at a seq we hold an
+                    # older process's batch for (its first batches came after its next one): what
+                    # we hold mixes two processes; rebuilt from the engine's buffer
+                    out.append(Count("restarts"))
+                    self._clear(out, f"seq {pending.seq} of the process holding our last batch is not the one applied")
+                    return self._start_replay(out, "restart", 0)
+                else:
+                    out.append(Count("unconfirmed"))  # a message that is not the engine's
                 pending = None
             # catch up on what was missed (a gap, or the disconnect)
             self._pending = pending
