@@ -41,8 +41,11 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
   asked again from the first missing seq once the replay ends (also when
   its tail, end marker included, was lost: a replay that times out after
-  applying batches, a rebuild's included), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
-  at the same hole: it is taken as lost as above).
+  applying batches, a rebuild's included, and when its newest batches were
+  unreadable before the end marker), as long as each replay makes progress
+  (``MAX_HOLE_RETRIES`` replays in a row that end at the same hole: it is
+  taken as lost as above; unreadable newest batches leave the stream
+  incomplete until a later replay gets them).
 - A replay that fails (times out, errors) without applying anything is asked
   again (:meth:`~Sequencer.retry`, when the caller's backoff from
   :meth:`~Sequencer.retry_delay` has passed) up to ``max_retries`` times in
@@ -237,7 +240,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent", "_r_bad",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -282,6 +285,7 @@ class Sequencer:
         self._r_verify: tuple[int, float | None] | None = None  # (seq, ts) the replay's first batch must be
         self._r_restart = False
         self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
+        self._r_bad: int | None = None  # the replay in progress's newest unreadable batch's seq
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
         self._start_alone = False  # the pending batch confirmed an unchecked start: if the replay fails, it starts the stream alone
@@ -327,6 +331,7 @@ class Sequencer:
         self._retry = None  # this replay stands for any retry that was due
         self._r_verify = None
         self._r_restart = False
+        self._r_bad = None
         if self.last is not None and start == self.last + 1:
             # ask from our last batch too: the same process still has it with the same timestamp,
             # so a restart whose new seqs passed ours is caught here
@@ -569,7 +574,8 @@ class Sequencer:
             # cannot be trusted; rebuilt from what the buffer holds (incomplete, judged below)
             self._clear(out, f"the engine's buffer starts at {s}, after our last batch {self._r_verify[0]}")
         if b is None:
-            return out  # a hole: the next readable batch will show it
+            self._r_bad = s if self._r_bad is None else max(self._r_bad, s)
+            return out  # a hole: the next readable batch will show it (or the replay's end)
         if self._r_hole:
             return out  # the rest of a replay with a hole: asked again at its end
         out.append(Count("replayed_batches"))
@@ -628,6 +634,12 @@ class Sequencer:
         if self._r_restart:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
+        bad_tail = ok and self._r_bad is not None and (self.last is None or self._r_bad > self.last)
+        if bad_tail and self.last is not None and not self._r_hole and self._r_retries < self.MAX_HOLE_RETRIES:
+            # the newest batches the engine replayed were unreadable and nothing after them came: a
+            # hole at the end, asked again from the first missing seq like one in the middle
+            out.append(Count("replay_holes"))
+            self._r_hole = True
         if self._r_hole:
             self._r_hole = False
             self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
@@ -670,6 +682,9 @@ class Sequencer:
             if self._candidate is not None and self._r_count > 0:
                 self._candidate = None  # the engine's buffer is the authority now
                 out.append(Count("unconfirmed"))
+            if bad_tail:
+                self.lost = True  # the buffer's newest batches stayed unreadable: they are lost
+                out.append(Count("gaps_unrecovered"))
         else:
             out.append(Count("replay_failures"))
             if progressed:

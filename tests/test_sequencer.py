@@ -487,3 +487,35 @@ def test_a_live_duplicate_of_a_recent_batch_is_counted_as_one() -> None:
     assert out[-1] == Confirm(2)
     out = s.confirmed(True)
     assert counts(out).get("duplicates") == 1 and not any(isinstance(a, Clear) for a in out)
+
+
+def test_an_unreadable_newest_replayed_batch_is_asked_again_not_taken_as_the_end() -> None:
+    """A rebuild replay whose last batch is unreadable, then the end marker: the stream used to
+    end complete one batch short of the engine.  The rest is asked again from the missing seq."""
+    s = Sequencer(True)
+    assert s.live(b(0))[-1] == Replay(0)
+    s.replayed(b(0))
+    s.replayed(None, 1)
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0) and counts(out).get("replay_holes") == 1  # from our last batch (checked), for 1
+    s.replayed(b(0))
+    s.replayed(b(1))
+    s.replay_end(True)
+    assert s.complete and s.last == 1
+
+
+def test_an_unreadable_newest_batch_that_stays_unreadable_leaves_the_stream_incomplete() -> None:
+    s = Sequencer(True)
+    s.live(b(0))
+    s.replayed(b(0))
+    s.replayed(None, 1)
+    out = s.replay_end(True)
+    asks = 0
+    while out and out[-1] == Replay(0):
+        asks += 1
+        assert asks <= Sequencer.MAX_HOLE_RETRIES + 1, "asked again without end"
+        s.replayed(b(0))
+        s.replayed(None, 1)
+        out = s.replay_end(True)
+    assert asks >= 1 and counts(out).get("gaps_unrecovered") == 1
+    assert not s.complete and s.last == 0
