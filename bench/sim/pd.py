@@ -71,6 +71,18 @@ from kvindex.index import KVBlockIndex
 from kvindex.keys import TokenProcessor
 
 __all__ = [
+    "BenchClients",
+    "BenchPoint",
+    "BenchRecord",
+    "BenchResult",
+    "SEED_CLIENTS",
+    "StepCost",
+    "bench_mean",
+    "bench_sweep",
+    "bench_table",
+    "calibrate_bench",
+    "plot_bench",
+    "run_benchmark",
     "PDModel",
     "PDPoint",
     "PDResult",
@@ -885,26 +897,163 @@ def calibrate_bench(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS
         return bench_mean(msgspec.structs.replace(probe, alpha=a, c0=c0), "off", x, replay=decided[x], **kw)
 
     def solve_alpha(c0: float, a0: float) -> float:
+        """Secant steps; if they do not settle (the clients' overlap makes h step-wise), bisect a bracket."""
         def h(a: float) -> float:
             return g(a, x2, c0) - g(a, x1, c0) - target
 
+        seen: list[tuple[float, float]] = []
         a1 = 0.9 * a0
         h0, h1 = h(a0), h(a1)
-        for _ in range(30):
+        seen += [(a0, h0), (a1, h1)]
+        for _ in range(8):
             if abs(h1) <= rtol * target:
                 return a1
             a2 = a1 - h1 * (a1 - a0) / (h1 - h0) if h1 != h0 else a1 * 0.9
             if not a2 > 0:
                 a2 = a1 / 2
             a0, h0, a1, h1 = a1, h1, a2, h(a2)
-        raise RuntimeError(f"calibration did not converge for {curves.name}")
+            seen.append((a1, h1))
+        lo = max((a for a, v in seen if v < 0), default=0.0)
+        hi = min((a for a, v in seen if v > 0), default=0.0)
+        while hi <= lo:
+            hi = 2 * max(hi, lo, a1)
+            if h(hi) > 0:
+                break
+        while hi - lo > rtol * hi:
+            mid = (lo + hi) / 2
+            v = h(mid)
+            if abs(v) <= rtol * target:
+                return mid
+            lo, hi = (mid, hi) if v < 0 else (lo, mid)
+        return (lo + hi) / 2
 
     # c0 is nearly, not exactly, a shift (D's step grid): alternate the two solves until both points hold
     c0, alpha = 0.0, seq.alpha
-    for _ in range(10):
+    for _ in range(6):
         alpha = solve_alpha(c0, alpha)
         miss = curves.off[x1] - g(alpha, x1, c0)
         c0 += miss
         if abs(miss) <= rtol * curves.off[x1] and abs(g(alpha, x2, c0) - curves.off[x2]) <= 10 * rtol * curves.off[x2]:
             break
     return msgspec.structs.replace(probe, c0=float(c0), alpha=float(alpha))
+
+
+class BenchPoint(msgspec.Struct, frozen=True):
+    """One prefix of the benchmark sweep: mean TTFT (s) per policy over every request, and what moved it.
+
+    on_p_queue / off_p_queue: mean time a request spent on P beyond its own
+    work (s); on_recompute: share of the on leg's requests that recomputed."""
+
+    prefix: int
+    requests: int
+    off: float
+    on: float
+    ours: float
+    off_p_queue: float
+    on_p_queue: float
+    on_recompute: float
+
+
+class BenchResult(msgspec.Struct, frozen=True):
+    """The seed's sweep with its benchmark's clients (:func:`run_benchmark`), calibrated per model on its off curve.
+
+    errors[model][point] = model on / published on - 1 at every published on point."""
+
+    clients: BenchClients
+    structure: TurnStructure
+    models: dict[str, PDModel]
+    errors: dict[str, dict[int, float]]
+    points: list[BenchPoint]
+    ours_threshold: int
+
+
+def bench_sweep(*, clients: BenchClients = SEED_CLIENTS, structure: TurnStructure = SEED_TURNS,
+                contexts: Sequence[int] = tuple(range(2000, 24001, 2000)), block_size: int = 16,
+                threshold: int = 64) -> BenchResult:
+    """Calibrate both models on their off points with the benchmark's clients, predict their on points, and run
+    off / on / ours for Qwen3-32B over ``contexts`` (nothing fitted on an on curve)."""
+    models: dict[str, PDModel] = {}
+    errors: dict[str, dict[int, float]] = {}
+    for cur in (QWEN3_32B, GLM5_FP8):
+        m = calibrate_bench(cur, structure=structure, clients=clients, block_size=block_size)
+        models[cur.name] = m
+        errors[cur.name] = {x: bench_mean(m, "on", x, structure=structure, clients=clients, block_size=block_size,
+                                          threshold=threshold) / t - 1.0 for x, t in sorted(cur.on.items())}
+    m = models[QWEN3_32B.name]
+    adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
+                 TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
+    ours_threshold = adv.recommended_threshold if adv.recommended_threshold is not None else threshold
+    points = []
+    kw = dict(structure=structure, clients=clients, block_size=block_size)
+    for x in sorted(set(contexts) | set(QWEN3_32B.on)):
+        off = run_benchmark(m, "off", x, **kw, threshold=threshold)
+        on = run_benchmark(m, "on", x, **kw, threshold=threshold)
+        ours = run_benchmark(m, "ours", x, **kw, threshold=ours_threshold)
+
+        def mean(rs: list[BenchRecord], f) -> float:
+            return sum(f(r) for r in rs) / len(rs)
+
+        points.append(BenchPoint(x, len(on), mean(off, lambda r: r.ttft), mean(on, lambda r: r.ttft),
+                                 mean(ours, lambda r: r.ttft), mean(off, lambda r: r.p_queue),
+                                 mean(on, lambda r: r.p_queue), mean(on, lambda r: r.action == "recompute")))
+    return BenchResult(clients, structure, models, errors, points, ours_threshold)
+
+
+def bench_table(res: BenchResult) -> str:
+    """Markdown: the benchmark's clients, both models' calibrations and errors, then one row per prefix."""
+    c, q = res.clients, res.models[QWEN3_32B.name]
+    lines = [
+        f"Benchmark clients as the seed ran them: {c.num_clients} clients, {c.max_active_conversations} active "
+        f"conversations, {c.num_conversations} conversations, early stop {'on' if c.early_stop else 'off'}, "
+        f"max_num_seqs {c.max_num_seqs}, token budget {c.max_num_batched_tokens:,}, D step {c.tpot * 1e3:.0f} ms.",
+        "",
+        "| model | c0 ms | alpha us/token | on-curve error at each published point |",
+        "|---|---|---|---|",
+    ]
+    for name, m in res.models.items():
+        lines.append(f"| {name} | {m.c0 * 1e3:.1f} | {m.alpha * 1e6:.2f} | "
+                     + ", ".join(f"{e:+.1%} at {x:,}" for x, e in sorted(res.errors[name].items())) + " |")
+    lines += [
+        "",
+        f"Qwen3-32B (c0 {q.c0 * 1e3:.1f} ms, alpha {q.alpha * 1e6:.2f} us/token; ours: 2 P with prefix caching, "
+        f"threshold {res.ours_threshold}):",
+        "",
+        "| prefix | requests | off ms | on ms (model) | published on ms | error | on: recomputed | "
+        "P queueing off / on ms | ours ms | ours / on |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    pub = QWEN3_32B.on
+    for p in res.points:
+        e = res.errors[QWEN3_32B.name].get(p.prefix)
+        pubs = f"{pub[p.prefix] * 1e3:.0f} | {e:+.1%}" if e is not None else "- | -"
+        lines.append(f"| {p.prefix:,} | {p.requests} | {p.off * 1e3:.0f} | {p.on * 1e3:.0f} | {pubs} | "
+                     f"{p.on_recompute:.0%} | {p.off_p_queue * 1e3:.0f} / {p.on_p_queue * 1e3:.0f} | "
+                     f"{p.ours * 1e3:.0f} | {p.ours / p.on:.2f} |")
+    return "\n".join(lines)
+
+
+def plot_bench(res: BenchResult, path) -> None:
+    """TTFT per prefix with the benchmark's clients: off (fitted), on (predicted), ours, and the seed's points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p.prefix for p in res.points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
+    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (predicted)")
+    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
+    ax.scatter(list(QWEN3_32B.off), [v * 1e3 for v in QWEN3_32B.off.values()], marker="x", s=80, color="C0",
+               label="seed off")
+    ax.scatter(list(QWEN3_32B.on), [v * 1e3 for v in QWEN3_32B.on.values()], marker="x", s=80, color="C1",
+               label="seed on")
+    c = res.clients
+    ax.set_xlabel("conversation prefix tokens (mean TTFT over the benchmark's requests)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(f"Seed 000: Qwen3-32B, 1 D, {c.num_clients} benchmark clients")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
