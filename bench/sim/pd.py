@@ -108,21 +108,25 @@ SEED_LINK_BYTES_PER_S = 22_000 * 262_144 / 0.100
 
 
 class SeedCurves(msgspec.Struct, frozen=True):
-    """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape."""
+    """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape.
+
+    transfer: the seed's published D -> P KV-transfer time (s) at its first and
+    last point (the P node's "KV Transfer metrics" averages)."""
 
     name: str
     off: dict[int, float]
     on: dict[int, float]
     kv_bytes_per_token: float
     attention_ratio: float
+    transfer: dict[int, float] = {}
 
 
 #: Qwen3-32B, 1P1D, prefix caching off on P: 64 layers x 8 KV heads x 128 x bf16 x K,V.
 QWEN3_32B = SeedCurves("Qwen3-32B", {2000: 0.158, 24000: 0.778}, {2000: 0.122, 24000: 0.460},
-                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9))
+                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9), {2000: 0.030, 24000: 0.130})
 #: GLM-5-FP8: MLA latent 512 + 64 per layer, 78 layers, FP8 (the advisor's assumption); sparse attention.
 GLM5_FP8 = SeedCurves("GLM-5-FP8", {2000: 0.500, 20000: 2.334}, {2000: 0.358, 20000: 0.702},
-                      78 * 576 * 1.0, 0.0)
+                      78 * 576 * 1.0, 0.0, {2000: 0.029, 20000: 0.110})
 PUBLISHED = {c.name: c for c in (QWEN3_32B, GLM5_FP8)}
 
 
@@ -870,14 +874,41 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     return out
 
 
-def bench_mean(model: PDModel, policy: str, prefix: int, **kw) -> float:
-    """The published measure at one point: mean TTFT (s) over every request of :func:`run_benchmark`."""
-    recs = run_benchmark(model, policy, prefix, **kw)
-    return sum(r.ttft for r in recs) / len(recs)
+def bench_mean(model: PDModel, policy: str, prefix: int, *, phases: int = 1, span: float = 2.5, **kw) -> float:
+    """The published measure at one point: mean TTFT (s) over every request of :func:`run_benchmark`.
+
+    ``phases`` > 1: the average of that mean over client 1 starting ``i x span /
+    phases`` seconds after client 0 (i = 0 .. phases - 1; ``span`` about one
+    request's round trip), i.e. the expectation over the clients' relative
+    phase, which a real run's jitter randomises and a deterministic one locks."""
+    clients = kw.pop("clients", SEED_CLIENTS)
+    total = 0.0
+    for i in range(phases):
+        cl = msgspec.structs.replace(clients, start_skew=clients.start_skew + i * span / phases)
+        recs = run_benchmark(model, policy, prefix, clients=cl, **kw)
+        total += sum(r.ttft for r in recs) / len(recs)
+    return total / phases
+
+
+def published_link(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS,
+                   clients: BenchClients = SEED_CLIENTS, block_size: int = 16) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a NIXL READ such that the model's mean D -> P pull at the seed's first
+    and last point takes the seed's published transfer time there (the tokens per pull from the planner's
+    decisions in :func:`run_benchmark`; the costs do not change them)."""
+    probe = PDModel(c0=0.0, alpha=1e-5, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
+    (x1, t1), (x2, t2) = sorted(curves.transfer.items())
+    mean = []
+    for x in (x1, x2):
+        pulls = [r.pulled for r in run_benchmark(probe, "on", x, structure=structure, clients=clients,
+                                                 block_size=block_size) if r.pulled > 0]
+        mean.append(sum(pulls) / len(pulls))
+    per_token = (t2 - t1) / (mean[1] - mean[0])
+    return t1 - per_token * mean[0], curves.kv_bytes_per_token / per_token
 
 
 def calibrate_bench(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS,
-                    clients: BenchClients = SEED_CLIENTS, block_size: int = 16, rtol: float = 1e-5) -> PDModel:
+                    clients: BenchClients = SEED_CLIENTS, block_size: int = 16, rtol: float = 1e-5,
+                    link: tuple[float, float] | None = None, phases: int = 1) -> PDModel:
     """c0 and alpha through the seed's two off points with the benchmark's clients and queueing in the model.
 
     c0 (proxy latency, no engine time) shifts every request of both clients alike,
@@ -885,16 +916,21 @@ def calibrate_bench(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS
     (decode steps do not scale with it, so the clients' overlap changes), so
     alpha solves g(alpha, x2) - g(alpha, x1) = off(x2) - off(x1) by the secant
     method (bisection as a fallback) to ``rtol``, then c0 follows.  The planner
-    runs once per point; the cost models are timed on its recorded decisions."""
+    runs once per point; the cost models are timed on its recorded decisions.
+    ``link``: (latency s, bandwidth bytes/s) of a NIXL READ instead of the
+    default (e.g. :func:`published_link`).  ``phases``: as :func:`bench_mean`."""
     seq = calibrate(curves, structure=structure, block_size=block_size)
     probe = msgspec.structs.replace(seq, c0=0.0)
+    if link is not None:
+        probe = msgspec.structs.replace(probe, latency=link[0], bandwidth=link[1])
     x1, x2 = sorted(curves.off)
     target = curves.off[x2] - curves.off[x1]
     kw = dict(structure=structure, clients=clients, block_size=block_size)
     decided = {x: run_benchmark(probe, "off", x, **kw) for x in (x1, x2)}
 
     def g(a: float, x: int, c0: float) -> float:
-        return bench_mean(msgspec.structs.replace(probe, alpha=a, c0=c0), "off", x, replay=decided[x], **kw)
+        return bench_mean(msgspec.structs.replace(probe, alpha=a, c0=c0), "off", x, replay=decided[x],
+                          phases=phases, **kw)
 
     def solve_alpha(c0: float, a0: float) -> float:
         """Secant steps; if they do not settle (the clients' overlap makes h step-wise), bisect a bracket."""
@@ -957,7 +993,9 @@ class BenchPoint(msgspec.Struct, frozen=True):
 class BenchResult(msgspec.Struct, frozen=True):
     """The seed's sweep with its benchmark's clients (:func:`run_benchmark`), calibrated per model on its off curve.
 
-    errors[model][point] = model on / published on - 1 at every published on point."""
+    errors[model][point] = model on / published on - 1 at every published on point;
+    link_models / link_errors: the same with each model's NIXL READ taken from
+    its published transfer times (:func:`published_link`; empty if not run)."""
 
     clients: BenchClients
     structure: TurnStructure
@@ -965,20 +1003,32 @@ class BenchResult(msgspec.Struct, frozen=True):
     errors: dict[str, dict[int, float]]
     points: list[BenchPoint]
     ours_threshold: int
+    link_models: dict[str, PDModel] = {}
+    link_errors: dict[str, dict[int, float]] = {}
 
 
 def bench_sweep(*, clients: BenchClients = SEED_CLIENTS, structure: TurnStructure = SEED_TURNS,
                 contexts: Sequence[int] = tuple(range(2000, 24001, 2000)), block_size: int = 16,
-                threshold: int = 64) -> BenchResult:
+                threshold: int = 64, link_variant: bool = True) -> BenchResult:
     """Calibrate both models on their off points with the benchmark's clients, predict their on points, and run
-    off / on / ours for Qwen3-32B over ``contexts`` (nothing fitted on an on curve)."""
+    off / on / ours for Qwen3-32B over ``contexts`` (nothing fitted on an on curve).  ``link_variant``: also
+    predict both on curves with each model's link taken from its published transfer times
+    (:func:`published_link`), reported in ``link_errors``."""
     models: dict[str, PDModel] = {}
     errors: dict[str, dict[int, float]] = {}
+    link_models: dict[str, PDModel] = {}
+    link_errors: dict[str, dict[int, float]] = {}
+    kw0 = dict(structure=structure, clients=clients, block_size=block_size)
     for cur in (QWEN3_32B, GLM5_FP8):
-        m = calibrate_bench(cur, structure=structure, clients=clients, block_size=block_size)
+        m = calibrate_bench(cur, **kw0)
         models[cur.name] = m
-        errors[cur.name] = {x: bench_mean(m, "on", x, structure=structure, clients=clients, block_size=block_size,
-                                          threshold=threshold) / t - 1.0 for x, t in sorted(cur.on.items())}
+        errors[cur.name] = {x: bench_mean(m, "on", x, **kw0, threshold=threshold) / t - 1.0
+                            for x, t in sorted(cur.on.items())}
+        if link_variant:
+            lm = calibrate_bench(cur, **kw0, link=published_link(cur, **kw0))
+            link_models[cur.name] = lm
+            link_errors[cur.name] = {x: bench_mean(lm, "on", x, **kw0, threshold=threshold) / t - 1.0
+                                     for x, t in sorted(cur.on.items())}
     m = models[QWEN3_32B.name]
     adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
                  TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
@@ -996,7 +1046,7 @@ def bench_sweep(*, clients: BenchClients = SEED_CLIENTS, structure: TurnStructur
         points.append(BenchPoint(x, len(on), mean(off, lambda r: r.ttft), mean(on, lambda r: r.ttft),
                                  mean(ours, lambda r: r.ttft), mean(off, lambda r: r.p_queue),
                                  mean(on, lambda r: r.p_queue), mean(on, lambda r: r.action == "recompute")))
-    return BenchResult(clients, structure, models, errors, points, ours_threshold)
+    return BenchResult(clients, structure, models, errors, points, ours_threshold, link_models, link_errors)
 
 
 def bench_table(res: BenchResult) -> str:
@@ -1013,6 +1063,11 @@ def bench_table(res: BenchResult) -> str:
     for name, m in res.models.items():
         lines.append(f"| {name} | {m.c0 * 1e3:.1f} | {m.alpha * 1e6:.2f} | "
                      + ", ".join(f"{e:+.1%} at {x:,}" for x, e in sorted(res.errors[name].items())) + " |")
+    for name, m in res.link_models.items():
+        lines.append(f"| {name}, NIXL READ from the published transfer times ({m.latency * 1e3:.1f} ms + "
+                     f"{m.kv_bytes_per_token / m.bandwidth * 1e6:.2f} us/token) | {m.c0 * 1e3:.1f} | "
+                     f"{m.alpha * 1e6:.2f} | "
+                     + ", ".join(f"{e:+.1%} at {x:,}" for x, e in sorted(res.link_errors[name].items())) + " |")
     lines += [
         "",
         f"Qwen3-32B (c0 {q.c0 * 1e3:.1f} ms, alpha {q.alpha * 1e6:.2f} us/token; ours: 2 P with prefix caching, "
