@@ -41,8 +41,11 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   sockets' high-water marks: vLLM's ROUTER drops replies it cannot queue) is
   asked again from the first missing seq once the replay ends (also when
   its tail, end marker included, was lost: a replay that times out after
-  applying batches, a rebuild's included), as long as each replay makes progress (``MAX_HOLE_RETRIES`` replays in a row that end
-  at the same hole: it is taken as lost as above).
+  applying batches, a rebuild's included, and when its newest batches were
+  unreadable before the end marker), as long as each replay makes progress
+  (``MAX_HOLE_RETRIES`` replays in a row that end at the same hole: it is
+  taken as lost as above; unreadable newest batches leave the stream
+  incomplete until a later replay gets them).
 - A replay that fails (times out, errors) without applying anything is asked
   again (:meth:`~Sequencer.retry`, when the caller's backoff from
   :meth:`~Sequencer.retry_delay` has passed) up to ``max_retries`` times in
@@ -79,6 +82,12 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   (e.g. seq 2**64 - 2, or our last seq with an old time) can never clear a
   pod or be applied.  (Limit: an engine whose wall clock steps back across
   a restart, with no replay endpoint to ask, is not seen as restarted.)
+- A backward message the check finds from the process holding our last
+  batch, at a seq where we applied an older process's batch (kept for the
+  last ``RECENT`` applied batches), means a new process's first batches came
+  after its next one, which continued our sequence: what we hold mixes two
+  processes, and the stream is cleared and rebuilt from the buffer.  One with
+  the timestamp of the batch we applied there is a duplicate.
 - A message with the next seq but an engine timestamp older than the last
   applied batch's is checked against the buffer (with a replay endpoint): it
   is a previous process's message still queued after the stream moved on to
@@ -231,7 +240,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent", "_r_bad",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -239,6 +248,9 @@ class Sequencer:
 
     #: replayed-batch timestamps kept to recognise duplicates (bounded)
     MAX_REMEMBERED = 50_000
+
+    #: applied batches (live or replayed) whose timestamps are kept to judge a backward message
+    RECENT = 64
 
     #: the replay ops whose failure (nothing applied) is retried with backoff
     RETRIED_OPS = ("gap", "fresh", "bootstrap", "resync", "restart")
@@ -259,6 +271,7 @@ class Sequencer:
         self.suspect = False  # the connection dropped since ``last``
         self.complete = False
         self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
+        self._recent: dict[int, float] = {}  # seq -> ts of the last RECENT batches applied (live or replayed)
         self._replay_max = -1
         self._holes: list[tuple[int, int]] = []  # seq ranges a replay could not deliver
         self._candidate: tuple[str, Batch] | None = None  # ("back" | "fwd", batch) awaiting confirmation
@@ -272,6 +285,7 @@ class Sequencer:
         self._r_verify: tuple[int, float | None] | None = None  # (seq, ts) the replay's first batch must be
         self._r_restart = False
         self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
+        self._r_bad: int | None = None  # the replay in progress's newest unreadable batch's seq
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
         self._start_alone = False  # the pending batch confirmed an unchecked start: if the replay fails, it starts the stream alone
@@ -291,6 +305,11 @@ class Sequencer:
     def _apply(self, out: list[Action], b: Batch, replayed: bool = False) -> None:
         self.last = b.seq
         self.last_ts = b.ts
+        recent = self._recent
+        recent.pop(b.seq, None)
+        recent[b.seq] = b.ts
+        if len(recent) > self.RECENT:
+            del recent[next(iter(recent))]
         if b.resets:
             self.exact = True  # AllBlocksCleared: the engine's state is known from here
         if b.lossy:
@@ -302,6 +321,7 @@ class Sequencer:
         self._check_due = False
         self.last = self.last_ts = None
         self._replayed.clear()
+        self._recent.clear()
         self._replay_max = -1
         self._holes.clear()
         self.exact = False
@@ -311,6 +331,7 @@ class Sequencer:
         self._retry = None  # this replay stands for any retry that was due
         self._r_verify = None
         self._r_restart = False
+        self._r_bad = None
         if self.last is not None and start == self.last + 1:
             # ask from our last batch too: the same process still has it with the same timestamp,
             # so a restart whose new seqs passed ours is caught here
@@ -553,7 +574,8 @@ class Sequencer:
             # cannot be trusted; rebuilt from what the buffer holds (incomplete, judged below)
             self._clear(out, f"the engine's buffer starts at {s}, after our last batch {self._r_verify[0]}")
         if b is None:
-            return out  # a hole: the next readable batch will show it
+            self._r_bad = s if self._r_bad is None else max(self._r_bad, s)
+            return out  # a hole: the next readable batch will show it (or the replay's end)
         if self._r_hole:
             return out  # the rest of a replay with a hole: asked again at its end
         out.append(Count("replayed_batches"))
@@ -612,6 +634,12 @@ class Sequencer:
         if self._r_restart:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
+        bad_tail = ok and self._r_bad is not None and (self.last is None or self._r_bad > self.last)
+        if bad_tail and self.last is not None and not self._r_hole and self._r_retries < self.MAX_HOLE_RETRIES:
+            # the newest batches the engine replayed were unreadable and nothing after them came: a
+            # hole at the end, asked again from the first missing seq like one in the middle
+            out.append(Count("replay_holes"))
+            self._r_hole = True
         if self._r_hole:
             self._r_hole = False
             self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
@@ -654,6 +682,9 @@ class Sequencer:
             if self._candidate is not None and self._r_count > 0:
                 self._candidate = None  # the engine's buffer is the authority now
                 out.append(Count("unconfirmed"))
+            if bad_tail:
+                self.lost = True  # the buffer's newest batches stayed unreadable: they are lost
+                out.append(Count("gaps_unrecovered"))
         else:
             out.append(Count("replay_failures"))
             if progressed:
@@ -755,7 +786,18 @@ class Sequencer:
             return out
         if same:
             if pending is not None and pending.seq <= (self.last if self.last is not None else -1):
-                out.append(Count("unconfirmed"))  # a message that is not the engine's
+                ours = self._recent.get(pending.seq)
+                if ours is not None and ours == pending.ts:
+                    out.append(Count("duplicates"))
+                elif ours is not None and ours < pending.ts < self.last_ts:  # type: ignore[operator]
+                    # the process that holds our last batch published this one at a seq we hold an
+                    # older process's batch for (its first batches came after its next one): what
+                    # we hold mixes two processes; rebuilt from the engine's buffer
+                    out.append(Count("restarts"))
+                    self._clear(out, f"seq {pending.seq} of the process holding our last batch is not the one applied")
+                    return self._start_replay(out, "restart", 0)
+                else:
+                    out.append(Count("unconfirmed"))  # a message that is not the engine's
                 pending = None
             # catch up on what was missed (a gap, or the disconnect)
             self._pending = pending

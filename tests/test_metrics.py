@@ -37,7 +37,7 @@ def scrape(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str]
     return out
 
 
-def wait_until(pred, what: str, timeout: float = 15.0) -> None:
+def wait_until(pred, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -340,7 +340,7 @@ def _last(pool: EventPool) -> int | None:
     return next((last for p, _r, last in pool.streams() if p == POD), None)
 
 
-def _send_sentinel(r: SubRig, timeout: float = 10.0) -> None:
+def _send_sentinel(r: SubRig, timeout: float = 60.0) -> None:
     """Publish an empty batch at the next seq and wait (bounded) until the pool applied it."""
     s = r.seq[0]
     r.seq[0] += 1

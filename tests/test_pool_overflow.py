@@ -16,7 +16,7 @@ from kvindex.keys import TokenProcessor
 BS = 16
 
 
-def capture(sub: zmq.Socket, n: int, timeout: float = 10.0) -> list[list[bytes]]:
+def capture(sub: zmq.Socket, n: int, timeout: float = 60.0) -> list[list[bytes]]:
     out = []
     deadline = time.monotonic() + timeout
     while len(out) < n:

@@ -457,3 +457,65 @@ def test_our_next_seq_newer_than_a_backward_candidate_is_checked_not_applied() -
         s.replayed(b(k, ts=2000.0 + k / 10))
     s.replay_end(True)
     assert s.complete and s.last == 2 and s.last_ts == 2000.2
+
+
+def test_a_new_process_whose_seq_1_overtook_its_seq_0_is_rebuilt_not_mixed() -> None:
+    """An unnoticed restart while we hold seq 0 of the old process: the new process's seq 1
+    arrives first (its seq 0 delayed on the network) and continues our sequence, then its seq 0
+    comes.  The endpoint confirms our last batch (the new process's seq 1); that seq 0 is newer
+    than the seq 0 we hold, so what we hold mixes two processes and is rebuilt from the buffer
+    (it used to be dropped as a stray message, the old process's blocks kept)."""
+    s = Sequencer(True)
+    assert s.live(b(0, ts=1002.0))[-1] == Replay(0)
+    s.replayed(b(0, ts=1002.0))
+    s.replay_end(True)
+    assert applied(s.live(b(1, ts=1003.1))) == [1]
+    assert s.live(b(0, ts=1003.0))[-1] == Confirm(1)
+    out = s.confirmed(True)
+    assert any(isinstance(a, Clear) for a in out) and out[-1] == Replay(0)
+    assert applied(s.replayed(b(0, ts=1003.0)) + s.replayed(b(1, ts=1003.1))) == [0, 1]
+    s.replay_end(True)
+    assert s.complete and s.last == 1
+
+
+def test_a_live_duplicate_of_a_recent_batch_is_counted_as_one() -> None:
+    """The network delivers a batch twice after its successor: the check finds our last batch
+    held by the same process and the repeat is a duplicate (nothing cleared, nothing applied)."""
+    s = started(1)
+    assert applied(s.live(b(1)) + s.live(b(2))) == [1, 2]
+    out = s.live(b(1))
+    assert out[-1] == Confirm(2)
+    out = s.confirmed(True)
+    assert counts(out).get("duplicates") == 1 and not any(isinstance(a, Clear) for a in out)
+
+
+def test_an_unreadable_newest_replayed_batch_is_asked_again_not_taken_as_the_end() -> None:
+    """A rebuild replay whose last batch is unreadable, then the end marker: the stream used to
+    end complete one batch short of the engine.  The rest is asked again from the missing seq."""
+    s = Sequencer(True)
+    assert s.live(b(0))[-1] == Replay(0)
+    s.replayed(b(0))
+    s.replayed(None, 1)
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0) and counts(out).get("replay_holes") == 1  # from our last batch (checked), for 1
+    s.replayed(b(0))
+    s.replayed(b(1))
+    s.replay_end(True)
+    assert s.complete and s.last == 1
+
+
+def test_an_unreadable_newest_batch_that_stays_unreadable_leaves_the_stream_incomplete() -> None:
+    s = Sequencer(True)
+    s.live(b(0))
+    s.replayed(b(0))
+    s.replayed(None, 1)
+    out = s.replay_end(True)
+    asks = 0
+    while out and out[-1] == Replay(0):
+        asks += 1
+        assert asks <= Sequencer.MAX_HOLE_RETRIES + 1, "asked again without end"
+        s.replayed(b(0))
+        s.replayed(None, 1)
+        out = s.replay_end(True)
+    assert asks >= 1 and counts(out).get("gaps_unrecovered") == 1
+    assert not s.complete and s.last == 0

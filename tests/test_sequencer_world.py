@@ -185,11 +185,13 @@ class World(RuleBasedStateMachine):
         fate = self.fate()
         items = [b for b in e.buffer if b.seq >= start]
         ok, cut = True, False
+        unseen = False  # the last reply delivered so far was lost: nothing after it reveals the loss
         for i, b in enumerate(items):
             if fate[0] != "ok" and i == fate[1] and (i > 0 or fate[0] not in ("lose", "unreadable")):
                 self.faults["replay_" + fate[0]] += 1
                 if fate[0] == "lose":
                     self.log.append(f"    reply {b.seq} lost")
+                    unseen = True
                     continue
                 if fate[0] == "unreadable":
                     self.log.append(f"    reply {b.seq} unreadable")
@@ -216,9 +218,14 @@ class World(RuleBasedStateMachine):
                     ok = False
                     break
             self.log.append(f"    replayed {b.seq}@{b.ts}")
+            unseen = False
             self.run(self.seq.replayed(b))
             if self.seq.hole_pending:
                 break
+        if unseen:
+            # the buffer's newest batches were lost on the way and the end marker came: like a live
+            # message lost, the stream's next message reveals it
+            self.silent_loss = True
         self.log.append(f"  replay_end(ok={ok}, cut={cut})")
         self.run(self.seq.replay_end(ok, cut))
 

@@ -161,7 +161,7 @@ def test_stale_messages_under_a_burst_settle_with_one_replay(rigs: list[Rig]) ->
 # ---------------------------------------------------------------- replays that fail or are cut
 
 
-def wait_for(cond, timeout: float = 20.0) -> bool:
+def wait_for(cond, timeout: float = 60.0) -> bool:
     """Poll ``cond()`` until it holds or ``timeout`` seconds pass (retries run on the pool's own clock)."""
     deadline = time.monotonic() + timeout
     while not cond():

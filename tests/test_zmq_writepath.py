@@ -49,7 +49,7 @@ def make_tp(mode: str) -> TokenProcessor:
     return TokenProcessor(block_size=BS, hash_seed=7)
 
 
-def wait_until(pred: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+def wait_until(pred: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
     """Poll ``pred`` until it holds; fail (never hang) after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not pred():

@@ -116,7 +116,7 @@ class EventTap:
         pod: str,
         mark: int,
         done: Callable[[list[dict[str, Any]]], bool],
-        timeout: float = 30.0,
+        timeout: float = 90.0,
     ) -> list[dict[str, Any]]:
         """Pump until ``done(events since mark)`` holds; fail after ``timeout``."""
         deadline = time.monotonic() + timeout
@@ -193,7 +193,7 @@ def oracle_hashes(algo: str, tokens: list[int], seed: str = "vllm-none-hash") ->
     return out
 
 
-def wait_metric(engine: Engine, name: str, old: float, timeout: float = 10.0) -> float:
+def wait_metric(engine: Engine, name: str, old: float, timeout: float = 60.0) -> float:
     """Read ``name`` until it differs from ``old`` (or ``timeout`` passes)."""
     deadline = time.monotonic() + timeout
     value = engine.metric(name)

@@ -158,7 +158,7 @@ async def _run_arm(fleet: VllmFleet, healing: bool) -> Arm:
                     predicted = int(resp.headers["x-kvindex-predicted-cached-tokens"])
                     decision = int(resp.headers["x-kvindex-decision"])
                 # the engine accounted the request, and the index applied the batch it published
-                deadline = time.monotonic() + 20.0
+                deadline = time.monotonic() + 120.0  # returns as soon as both hold; generous for a loaded machine
                 while True:
                     after = await fetch_load(s, engines[pod].base_url, timeout=10.0)
                     grown = (after.prefix_cache_queries or 0) - (before[pod].prefix_cache_queries or 0)

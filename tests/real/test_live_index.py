@@ -62,7 +62,7 @@ Served = dict[str, dict[str, list[int]]]
 # -- helpers ------------------------------------------------------------------
 
 
-def until(check: Callable[[], T], what: str, timeout: float = 30.0) -> T:
+def until(check: Callable[[], T], what: str, timeout: float = 90.0) -> T:
     """Poll ``check`` until it returns a truthy value; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
