@@ -220,3 +220,72 @@ def test_seed000_published_turns():
         assert r.ttft < recs[0].ttft * r.context / recs[0].context
     on = pd.run_policy(m, "on", [2000], structure=ts)[2000]
     assert on.ttft == pytest.approx(sum(r.ttft for r in recs) / len(recs), rel=0.05) and on.ttft < off[2000].ttft
+
+
+def _seed_model() -> pd.PDModel:
+    return pd.PDModel(c0=0.08, alpha=18.6e-6, k=pd.QWEN3_32B.attention_ratio,
+                      kv_bytes_per_token=pd.QWEN3_32B.kv_bytes_per_token)
+
+
+def test_benchmark_with_one_client_and_one_conversation_is_the_sequential_model():
+    """One client, one active conversation: nothing queues, and every request's TTFT is the sequential model's
+    turn plus D's own step (D step + one token at the prompt's length), for the same planner decisions."""
+    m = _seed_model()
+    cl = pd.BenchClients(num_clients=1, max_active_conversations=1, num_conversations=3, tpot=0.007)
+    recs = pd.run_benchmark(m, "on", 4000, clients=cl)
+    assert len(recs) == 3 * pd.SEED_TURNS.user_turns  # every conversation to its end, one after the other
+    assert [r.conversation for r in recs] == [j for j in range(3) for _ in range(pd.SEED_TURNS.user_turns)]
+    for r in recs:
+        assert r.p_queue <= 1e-12 and r.d_queue <= 1e-12  # rounding only
+        n, c = r.context - r.local - r.pulled, r.local + r.pulled
+        expected = (m.turn(r.context, r.local, r.pulled, r.decode_cached) + m.alpha * m.k * n / 2
+                    + cl.tpot + m.alpha * (1 + m.k * r.context))
+        assert r.ttft == pytest.approx(expected, rel=1e-9, abs=1e-9), (r, c)
+    seq = pd.run_policy(m, "on", [4000], structure=pd.SEED_TURNS)[4000]
+    per_conv = sum(r.ttft for r in recs[:5]) / 5
+    assert per_conv == pytest.approx(seq.ttft + cl.tpot, rel=0.01)
+
+
+def test_benchmark_clients_as_the_seed_ran_them():
+    """2 clients x 5 conversations round robin: the first client to finish a conversation finds the end marker and
+    exits, early stop ends the other after its request in flight: turns 1-4 of all 10 conversations and turn 5 of
+    one or two.  On: turn 1 recomputes, later turns pull what D retained."""
+    recs = pd.run_benchmark(_seed_model(), "on", 2000)
+    turns = sorted(r.turn for r in recs)
+    assert turns.count(1) == turns.count(2) == turns.count(3) == turns.count(4) == 10
+    assert 1 <= turns.count(5) <= 2 and len(recs) == 40 + turns.count(5)
+    assert {r.conversation for r in recs if r.client == 0} == set(range(5))
+    assert {r.conversation for r in recs if r.client == 1} == set(range(5, 10))
+    for c in (0, 1):  # round robin: each client cycles its 5 conversations, one turn each
+        seq = [(r.turn, r.conversation) for r in sorted(recs, key=lambda r: r.start) if r.client == c]
+        assert [t for t, _ in seq[:20]] == [t for t in range(1, 5) for _ in range(5)]
+        assert [j for _, j in seq[:5]] == [j for _, j in seq[5:10]]
+    for r in recs:
+        assert (r.action == "recompute") == (r.turn == 1)
+        assert r.pulled == (0 if r.turn == 1 else r.context - pd.SEED_TURNS.user_tokens - 1)
+
+
+@settings(max_examples=4, deadline=None)
+@given(prefix=st.sampled_from([2000, 8000]), skew=st.sampled_from([0.0, 0.3, 1.0]), tpot=st.floats(0.003, 0.03))
+def test_benchmark_queueing_is_nonnegative_and_grows_with_clients(prefix, skew, tpot):
+    """Time on P and D beyond a request's own work is never negative, zero for one client, positive for
+    several; when all clients start together (as the benchmark's do) it grows with their number.  (Staggered
+    starts can spread 4 clients' prefills better than 2: no order is asserted then.)"""
+    m = _seed_model()
+    means = []
+    for n in (1, 2, 4):
+        cl = pd.BenchClients(num_clients=n, max_active_conversations=4, num_conversations=4, early_stop=False,
+                             tpot=tpot, start_skew=skew)
+        recs = pd.run_benchmark(m, "off", prefix, clients=cl)
+        assert all(r.p_queue >= 0.0 and r.d_queue >= 0.0 for r in recs)
+        means.append(sum(r.p_queue + r.d_queue for r in recs) / len(recs))
+    assert means[0] <= 1e-9 and means[1] > 1e-4 and means[2] > 1e-4
+    if skew == 0.0:
+        assert means[1] < means[2]
+
+
+def test_benchmark_calibration_goes_through_the_off_points():
+    m = pd.calibrate_bench(pd.QWEN3_32B)
+    for x, t in pd.QWEN3_32B.off.items():
+        assert pd.bench_mean(m, "off", x) == pytest.approx(t, rel=1e-4)
+    assert 0 < m.alpha < pd.calibrate(pd.QWEN3_32B, structure=pd.SEED_TURNS).alpha  # queueing no longer in alpha

@@ -138,10 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.quick:
             res = pd.sweep(new_fraction=pd.FITTED_NEW_FRACTION, contexts=(2000, 12000, 24000))
             fits: list[pd.CrossFit] = []
+            bench = None
         else:  # the seed's published conversations; the fitted share, honestly: fit one model, predict the other
             res = pd.sweep(structure=pd.SEED_TURNS)
             fits = pd.cross_fit()
-        doc = {"sweep": msgspec.to_builtins(res), "cross_fit": msgspec.to_builtins(fits)}
+            bench = pd.bench_sweep()  # the same conversations with the seed's benchmark clients (2 at once)
+        doc = {"sweep": msgspec.to_builtins(res), "cross_fit": msgspec.to_builtins(fits),
+               "benchmark": msgspec.to_builtins(bench)}
         (out / f"sim_seed000{suffix}.json").write_text(json.dumps(doc, indent=1))
         text = pd.table(res)
         if fits:
@@ -153,9 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                 + f" | {c.predicted} | "
                 + ", ".join(f"{e:+.1%} at {L:,}" for L, e in sorted(c.predicted_error.items())) + " |"
                 for c in fits)
+        if bench is not None:
+            text += "\n\nThe seed's benchmark clients, queueing on P and D in the model (off fit with it):\n\n"
+            text += pd.bench_table(bench)
         (out / f"sim_seed000{suffix}.md").write_text(f"# Seed 000 in the simulator ({stamp['date']})\n\n{text}\n")
         if not args.no_plot:
             pd.plot(res, out / f"sim_seed000{suffix}.png")
+            if bench is not None:
+                pd.plot_bench(bench, out / "sim_seed000_bench.png")
         print(text)
     return 0
 

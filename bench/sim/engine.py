@@ -116,7 +116,7 @@ class SimRequest:
     __slots__ = (
         "rid", "arrival", "prompt", "hashes", "out_len", "out_tokens", "group", "meta",
         "pod", "num_computed", "generated", "blocks", "first_token", "finish", "cached_tokens",
-        "c0", "g0", "k0", "version", "predicted_uncached", "preemptions",
+        "c0", "g0", "k0", "version", "predicted_uncached", "preemptions", "external",
     )
 
     def __init__(self, rid: int, arrival: float, prompt: np.ndarray, hashes: list[int], out_tokens: np.ndarray,
@@ -140,6 +140,7 @@ class SimRequest:
         self.version = 0
         self.predicted_uncached = 0
         self.preemptions = 0
+        self.external = 0  # tokens whose KV arrives from elsewhere before admission (a connector's load)
 
     def target(self) -> int:
         """Tokens to prefill: prompt plus outputs already sampled (after a preemption)."""
@@ -217,6 +218,13 @@ class _BlockPool:
 class SimPod:
     """One simulated vLLM engine (see the module doc).
 
+    ``prefix_caching=False`` is vLLM's ``--no-enable-prefix-caching``: no
+    lookups, no hashes kept, no KV events.  A request's ``external`` tokens
+    (KV a connector loaded before the request was added, as vLLM's
+    ``WAITING_FOR_REMOTE_KVS`` requests) count as computed on admission, at
+    most all but the last prompt token (the engine recomputes that one to
+    sample, as vLLM's scheduler does after a full remote hit).
+
     Drive it with :meth:`add` (a routed request arrives), :meth:`plan_step`
     (start a step at ``now``; returns its duration or None when idle) and
     :meth:`end_step` (apply the step at its end time; returns the requests that
@@ -225,7 +233,7 @@ class SimPod:
     """
 
     def __init__(self, name: str, capacity_tokens: int, *, block_size: int = 64, cost: CostModel | None = None,
-                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024) -> None:
+                 max_num_batched_tokens: int = 8192, max_num_seqs: int = 1024, prefix_caching: bool = True) -> None:
         if capacity_tokens < block_size or block_size < 1:
             raise ValueError("capacity must hold at least one block")
         self.name = name
@@ -234,6 +242,7 @@ class SimPod:
         self.cost = cost or CostModel()
         self.max_batched = max_num_batched_tokens
         self.max_seqs = max_num_seqs
+        self.prefix_caching = prefix_caching
         self.pool = _BlockPool(self.num_blocks)
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[int, SimRequest] = {}
@@ -298,15 +307,16 @@ class SimPod:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             r = self.waiting[0]
             target = r.target()
-            hit = pool.lookup(r.hashes, (target - 1) // bs)
+            hit = pool.lookup(r.hashes, (target - 1) // bs) if self.prefix_caching else []
             hit_tok = len(hit) * bs
-            n = min(target - hit_tok, budget)
-            need = -(-(hit_tok + n) // bs) - len(hit)
+            start = max(hit_tok, min(r.external, target - 1))
+            n = min(target - start, budget)
+            need = -(-(start + n) // bs) - len(hit)
             if need > len(pool.free) - pool.unreferenced(hit):
                 break
             pool.touch(hit)
             r.blocks = hit + pool.alloc(need, evicted)
-            r.num_computed = hit_tok
+            r.num_computed = start
             self.waiting.popleft()
             self.running[r.rid] = r
             self.prefilling.append(r)
@@ -314,7 +324,7 @@ class SimPod:
             self.prefix_hits += hit_tok
             if r.cached_tokens < 0:
                 r.cached_tokens = hit_tok
-            chunks.append((r, hit_tok, n))
+            chunks.append((r, start, n))
             budget -= n
         tokens = self.n_dec
         for _, s, n in chunks:
@@ -394,6 +404,8 @@ class SimPod:
 
     def _cache_full(self, r: SimRequest, j0: int, j1: int) -> None:
         """Give blocks j0..j1-1 of ``r`` (now full and computed) their hashes; one BlockStored per run."""
+        if not self.prefix_caching:
+            return
         bs = self.block_size
         run: list[int] = []
         run_start = j0

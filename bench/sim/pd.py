@@ -51,13 +51,15 @@ threshold :mod:`connector.advisor` recommends for the model and link).
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
 
 import msgspec
 import numpy as np
 
-from bench.sim.engine import chain_hashes
+from bench.sim.engine import SimPod, SimRequest, chain_hashes
 from bench.sim.wire import BlockStored, encode_batch, topic
 from connector.advisor import ModelKV, TransferCost, advise
 from connector.params import RemoteKVParams
@@ -69,6 +71,18 @@ from kvindex.index import KVBlockIndex
 from kvindex.keys import TokenProcessor
 
 __all__ = [
+    "BenchClients",
+    "BenchPoint",
+    "BenchRecord",
+    "BenchResult",
+    "SEED_CLIENTS",
+    "StepCost",
+    "bench_mean",
+    "bench_sweep",
+    "bench_table",
+    "calibrate_bench",
+    "plot_bench",
+    "run_benchmark",
     "PDModel",
     "PDPoint",
     "PDResult",
@@ -94,21 +108,25 @@ SEED_LINK_BYTES_PER_S = 22_000 * 262_144 / 0.100
 
 
 class SeedCurves(msgspec.Struct, frozen=True):
-    """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape."""
+    """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape.
+
+    transfer: the seed's published D -> P KV-transfer time (s) at its first and
+    last point (the P node's "KV Transfer metrics" averages)."""
 
     name: str
     off: dict[int, float]
     on: dict[int, float]
     kv_bytes_per_token: float
     attention_ratio: float
+    transfer: dict[int, float] = {}
 
 
 #: Qwen3-32B, 1P1D, prefix caching off on P: 64 layers x 8 KV heads x 128 x bf16 x K,V.
 QWEN3_32B = SeedCurves("Qwen3-32B", {2000: 0.158, 24000: 0.778}, {2000: 0.122, 24000: 0.460},
-                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9))
+                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9), {2000: 0.030, 24000: 0.130})
 #: GLM-5-FP8: MLA latent 512 + 64 per layer, 78 layers, FP8 (the advisor's assumption); sparse attention.
 GLM5_FP8 = SeedCurves("GLM-5-FP8", {2000: 0.500, 20000: 2.334}, {2000: 0.358, 20000: 0.702},
-                      78 * 576 * 1.0, 0.0)
+                      78 * 576 * 1.0, 0.0, {2000: 0.029, 20000: 0.110})
 PUBLISHED = {c.name: c for c in (QWEN3_32B, GLM5_FP8)}
 
 
@@ -252,18 +270,37 @@ class PDSim:
     def turn(self, cid: str, prompt: np.ndarray, output: np.ndarray) -> TurnRecord:
         """Plan and time one turn; D answers ``output`` (its params refresh the retained entry when bidirectional)."""
         L = len(prompt)
+        plan, local, pulled, d_hit = self.begin(cid, prompt)
+        ttft = self.model.turn(L, local, pulled, d_hit)
+        self.now += ttft
+        if self.prefix_caching:
+            self.prefill_done(plan, prompt)
+        self.now += 0.02 * len(output)  # D decodes the answer
+        self.answered(plan, prompt, output)
+        return TurnRecord(L, plan.action, plan.prefill_pod, local, pulled, d_hit, ttft)
+
+    def begin(self, cid: str, prompt: np.ndarray) -> tuple[object, int, int, int]:
+        """The proxy's decision for a turn at ``self.now``: (plan, P's local tokens, tokens P pulls from D,
+        tokens D already holds).  P computes at least the last prompt token, so local + pulled <= len - 1."""
+        L = len(prompt)
         self._settle()
         plan = self.planner.plan(cid, prompt, self.p_pods, self.d_pods)
         local = min(plan.local_tokens, L - 1)
         pulled = max(0, min(plan.pulled_tokens, L - 1 - local))
         d_hit = min(len(self._hits(plan.decode_pod, prompt)) * self.bs, L - 1)
-        ttft = self.model.turn(L, local, pulled, d_hit)
-        self.now += ttft
+        return plan, local, pulled, d_hit
+
+    def prefill_done(self, plan, prompt: np.ndarray) -> None:
+        """P finished the prompt at ``self.now``: with prefix caching it now holds (and publishes) its blocks."""
         if self.prefix_caching:
             self._publish(plan.prefill_pod, prompt)
+
+    def answered(self, plan, prompt: np.ndarray, output: np.ndarray) -> None:
+        """D finished the answer at ``self.now``: it holds prompt + answer - 1 tokens (published), and when
+        bidirectional its params (``remote_num_tokens`` = that count) refresh the retained entry."""
+        L = len(prompt)
         full = np.concatenate((prompt, output))
         self._publish(plan.decode_pod, full[: L + len(output) - 1])
-        self.now += 0.02 * len(output)  # D decodes the answer
         answer = None
         if self.bidirectional:
             n = L + len(output) - 1
@@ -274,7 +311,6 @@ class PDSim:
                 transfer_mode="pull",
             )
         self.planner.decode_answered(plan, answer, full)
-        return TurnRecord(L, plan.action, plan.prefill_pod, local, pulled, d_hit, ttft)
 
     def _hits(self, pod: str, prompt: np.ndarray) -> list[int]:
         hashes = chain_hashes(prompt, self.bs)
@@ -571,6 +607,506 @@ def plot(res: PDResult, path) -> None:
                   else "context tokens of the turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("Seed 000: Qwen3-32B, 1 D")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------
+# The seed's benchmark as it ran: two clients at once, P and D as continuously batching engines.
+
+
+class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
+    """vLLM's ``benchmarks/multi_turn/benchmark_serving_multi_turn.py`` as seed 000's sweep script runs it.
+
+    Sources: the seed's ``run_multiturn_sweep.sh`` (vllm-project.github.io
+    ``assets/repro/2026-10-12-bidirectional-kvxfer-multiturn-agentic-workload/``):
+    ``NUM_CLIENTS`` 2, ``MAX_ACTIVE_CONVERSATIONS`` 10, 10 conversations,
+    ``--warmup-percentages=0%,20%`` (a report filter; the published TTFT is the
+    mean over every record of ``--stats-json-output``), no ``--request-rate``
+    (0: no pause between a client's requests), no ``--warmup-step``; its
+    ``serve_pd_multiturn.sh``: ``--max-num-seqs 8`` on P and D.  The benchmark
+    (``client_main``, ``get_client_config``): each client is a process sending
+    one request at a time; it takes up to ``max_active_conversations //
+    num_clients`` conversations from a shared queue and serves them round robin
+    (``conv_id_queue.pop()``, unfinished ones back with ``appendleft``); when
+    one finishes it asks the queue for another and, finding the end marker,
+    exits at once, leaving its other conversations unfinished; with the
+    default early stop the first client to exit stops the others after their
+    request in flight.
+
+    Assumptions (not published): ``tpot`` is D's decode step (seconds; Qwen3-32B
+    with tensor parallel 8 on H200, batch <= 8); P's and D's per-step token
+    budget is vLLM's default for the API server on large GPUs (8,192);
+    ``start_skew`` delays client 1's first request (0: both start together, as
+    two processes woken by the same queue).
+    """
+
+    num_clients: int = 2
+    max_active_conversations: int = 10
+    num_conversations: int = 10
+    early_stop: bool = True
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 8192
+    tpot: float = 0.007
+    start_skew: float = 0.0
+
+
+#: Seed 000's benchmark clients (see :class:`BenchClients`).
+SEED_CLIENTS = BenchClients()
+
+
+class StepCost(msgspec.Struct, frozen=True):
+    """Step time of a P or D engine in the calibrated model: ``overhead + alpha x (tokens + k x pairs)`` seconds.
+
+    Summed over a prefill's chunks this is exactly :meth:`PDModel.prefill` with
+    n (n + 1) / 2 for n^2 / 2 (the engine's attention pairs), so a request alone
+    on P takes the sequential model's time.  Duck-types :class:`bench.sim.engine.CostModel`."""
+
+    alpha: float
+    k: float
+    overhead: float = 0.0
+
+    def step_time(self, tokens: int, attention_pairs: float, kv_tokens_read: float) -> float:
+        return self.overhead + self.alpha * (tokens + self.k * attention_pairs)
+
+
+class BenchRecord(msgspec.Struct, frozen=True):
+    """One request of the simulated benchmark (times in seconds of simulated time).
+
+    p_queue / d_queue: time the request spent on P / D beyond what it needs
+    alone (waiting behind and sharing steps with the other clients' requests);
+    always >= 0 (up to rounding)."""
+
+    client: int
+    conversation: int
+    turn: int
+    context: int
+    action: str
+    prefill_pod: str
+    local: int
+    pulled: int
+    decode_cached: int
+    start: float
+    ttft: float
+    p_queue: float
+    d_queue: float
+
+
+class _Replayed(msgspec.Struct, frozen=True):
+    """A recorded decision standing in for the planner's plan (the fields the timing reads)."""
+
+    action: str
+    prefill_pod: str
+    decode_pod: str
+
+
+class _Flight:
+    """A request in flight through proxy, P and D."""
+
+    __slots__ = ("client", "conv", "turn", "prompt", "output", "plan", "local", "pulled", "d_hit", "start",
+                 "p_ready", "p_done", "d_ready", "ttft", "p_alone")
+
+    def __init__(self, **kw) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _alone(model: PDModel, n: int, c: int) -> float:
+    """Seconds an engine of :class:`StepCost` spends computing ``n`` tokens after ``c`` (its chunks summed)."""
+    return model.alpha * (n + model.k * (n * c + n * (n + 1) / 2))
+
+
+def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnStructure = SEED_TURNS,
+                  clients: BenchClients = SEED_CLIENTS, seed: int = 0, block_size: int = 16,
+                  threshold: int = 64, replay: Sequence[BenchRecord] | None = None) -> list[BenchRecord]:
+    """One point of the seed's sweep as its benchmark runs it: every request's record, in completion order.
+
+    Clients as :class:`BenchClients`; each request goes proxy (``c0``, no
+    engine time) -> P (load of the pulled tokens, then P's continuous batching
+    with chunked prefill, ``max_tokens`` 1) -> D (load of what D lacks, then
+    one step that samples the first token; TTFT ends there) -> D decodes the
+    answer (``structure.output_tokens`` steps) -> the client sends its next
+    request.  Loads run beside the engine's steps (vLLM's asynchronous
+    ``WAITING_FOR_REMOTE_KVS``), one NIXL READ each, as :meth:`PDModel.xfer`.
+    Which turns pull and how much is decided by the connector's planner over
+    the library's index, as in :meth:`PDSim.turn`.  ``replay``: the records of
+    an earlier run of the same point and policy; their decisions are reused
+    instead of asking the planner again (they do not depend on the costs: a
+    conversation's next turn is only sent after its previous one finished),
+    which the calibration uses to time many cost models quickly."""
+    if policy not in ("off", "on", "ours"):
+        raise ValueError(f"unknown policy {policy!r}")
+    if clients.num_clients < 1 or clients.max_active_conversations < clients.num_clients:
+        raise ValueError("need at least one active conversation per client")
+    sim = PDSim(model, prefill_pods=2 if policy == "ours" else 1, prefix_caching=policy == "ours",
+                bidirectional=policy != "off", block_size=block_size, threshold=threshold)
+    decided = {(r.conversation, r.turn): r for r in replay} if replay is not None else None
+    cost_p = StepCost(model.alpha, model.k)
+    cost_d = StepCost(model.alpha, model.k, clients.tpot)
+    big = 1 << 23  # tokens of KV per engine: the seed's 8 x H200 never run short at 10 conversations
+    p_eng = {p: SimPod(p, big, block_size=block_size, cost=cost_p, prefix_caching=False,  # type: ignore[arg-type]
+                       max_num_batched_tokens=clients.max_num_batched_tokens, max_num_seqs=clients.max_num_seqs)
+             for p in sim.p_pods}
+    d_eng = {d: SimPod(d, big, block_size=block_size, cost=cost_d, prefix_caching=False,  # type: ignore[arg-type]
+                       max_num_batched_tokens=clients.max_num_batched_tokens, max_num_seqs=clients.max_num_seqs)
+             for d in sim.d_pods}
+    common = np.random.default_rng(seed + 7).integers(1, 150_000, size=structure.common_prefix, dtype=np.int32)
+    convs = [_structured_conversation(structure, prefix, seed * 1000 + j, common)
+             for j in range(clients.num_conversations)]
+    per_client = clients.max_active_conversations // clients.num_clients
+    tasks = deque(range(clients.num_conversations))
+    active: list[deque[int]] = [deque() for _ in range(clients.num_clients)]
+    turns_done = [0] * clients.num_conversations
+    stopped = [False] * clients.num_clients
+    stop_all = False
+    events: list[tuple[float, int, str, object]] = []
+    tie = itertools.count()
+    flights: dict[int, _Flight] = {}
+    rid = itertools.count()
+    out: list[BenchRecord] = []
+    stepping: set[str] = set()
+
+    def push(t: float, kind: str, what: object) -> None:
+        heapq.heappush(events, (t, next(tie), kind, what))
+
+    def kick(eng: SimPod, now: float) -> None:
+        if eng.name not in stepping:
+            dt = eng.plan_step()
+            if dt is not None:
+                stepping.add(eng.name)
+                push(now + dt, "step", eng)
+
+    def take(c: int) -> bool:
+        """The client fills its active set from the shared queue; False when it met the end marker."""
+        while len(active[c]) < per_client:
+            if not tasks:
+                return False
+            active[c].append(tasks.popleft())
+        return True
+
+    def issue(c: int, now: float) -> None:
+        if stopped[c]:
+            return
+        if stop_all or not take(c) or not active[c]:
+            stopped[c] = True
+            return
+        j = active[c].pop()
+        k = turns_done[j]
+        prompt, output = convs[j][k]
+        if decided is not None:
+            d = decided[(j, k + 1)]
+            plan: object = _Replayed(d.action, d.prefill_pod, sim.d_pods[0])
+            local, pulled, d_hit = d.local, d.pulled, d.decode_cached
+        else:
+            sim.now = now
+            plan, local, pulled, d_hit = sim.begin(f"c{j}", prompt)
+        f = _Flight(client=c, conv=j, turn=k + 1, prompt=prompt, output=output, plan=plan, local=local,
+                    pulled=pulled, d_hit=d_hit, start=now, p_ready=0.0, p_done=0.0, d_ready=0.0, ttft=0.0,
+                    p_alone=_alone(model, len(prompt) - local - pulled, local + pulled))
+        n = next(rid)
+        flights[n] = f
+        push(now + model.c0 + model.xfer(pulled), "p_ready", n)
+
+    for c in range(clients.num_clients):
+        push(c * clients.start_skew, "issue", c)
+    try:
+        while events:
+            now, _, kind, what = heapq.heappop(events)
+            if kind == "issue":
+                issue(what, now)  # type: ignore[arg-type]
+            elif kind == "p_ready":
+                f = flights[what]  # type: ignore[index]
+                f.p_ready = now
+                r = SimRequest(what, now, f.prompt, [], f.output[:1])  # type: ignore[arg-type]
+                r.external = f.local + f.pulled
+                eng = p_eng[f.plan.prefill_pod]
+                eng.add(r)
+                kick(eng, now)
+            elif kind == "d_ready":
+                f = flights[what]  # type: ignore[index]
+                f.d_ready = now
+                r = SimRequest(what, now, f.prompt, [], f.output)  # type: ignore[arg-type]
+                r.external = len(f.prompt) - 1
+                eng = d_eng[f.plan.decode_pod]
+                eng.add(r)
+                kick(eng, now)
+            else:  # a step ended
+                eng = what  # type: ignore[assignment]
+                stepping.discard(eng.name)
+                firsts, done = eng.end_step(now)
+                if eng.name in p_eng:
+                    for r in done:
+                        f = flights[r.rid]
+                        f.p_done = now
+                        if decided is None:
+                            sim.now = now
+                            sim.prefill_done(f.plan, f.prompt)
+                        push(now + model.xfer(len(f.prompt) - f.d_hit), "d_ready", r.rid)
+                else:
+                    for r in firsts:
+                        flights[r.rid].ttft = now - flights[r.rid].start
+                    for r in done:
+                        f = flights.pop(r.rid)
+                        if decided is None:
+                            sim.now = now
+                            sim.answered(f.plan, f.prompt, f.output)
+                        L = len(f.prompt)
+                        out.append(BenchRecord(
+                            f.client, f.conv, f.turn, L, f.plan.action, f.plan.prefill_pod, f.local, f.pulled, f.d_hit, f.start,
+                            f.ttft, max(0.0, f.p_done - f.p_ready - f.p_alone),
+                            max(0.0, (f.start + f.ttft) - f.d_ready - clients.tpot - _alone(model, 1, L - 1))))
+                        j = f.conv
+                        turns_done[j] += 1
+                        c = f.client
+                        if turns_done[j] < len(convs[j]):
+                            active[c].appendleft(j)
+                        elif not take(c):  # the benchmark's client exits on the end marker
+                            stopped[c] = True
+                            if clients.early_stop:
+                                stop_all = True
+                        push(now, "issue", c)
+                kick(eng, now)
+    finally:
+        sim.close()
+    return out
+
+
+def bench_mean(model: PDModel, policy: str, prefix: int, *, phases: int = 1, span: float = 2.5, **kw) -> float:
+    """The published measure at one point: mean TTFT (s) over every request of :func:`run_benchmark`.
+
+    ``phases`` > 1: the average of that mean over client 1 starting ``i x span /
+    phases`` seconds after client 0 (i = 0 .. phases - 1; ``span`` about one
+    request's round trip), i.e. the expectation over the clients' relative
+    phase, which a real run's jitter randomises and a deterministic one locks."""
+    clients = kw.pop("clients", SEED_CLIENTS)
+    total = 0.0
+    for i in range(phases):
+        cl = msgspec.structs.replace(clients, start_skew=clients.start_skew + i * span / phases)
+        recs = run_benchmark(model, policy, prefix, clients=cl, **kw)
+        total += sum(r.ttft for r in recs) / len(recs)
+    return total / phases
+
+
+def published_link(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS,
+                   clients: BenchClients = SEED_CLIENTS, block_size: int = 16) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of a NIXL READ such that the model's mean D -> P pull at the seed's first
+    and last point takes the seed's published transfer time there (the tokens per pull from the planner's
+    decisions in :func:`run_benchmark`; the costs do not change them)."""
+    probe = PDModel(c0=0.0, alpha=1e-5, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
+    (x1, t1), (x2, t2) = sorted(curves.transfer.items())
+    mean = []
+    for x in (x1, x2):
+        pulls = [r.pulled for r in run_benchmark(probe, "on", x, structure=structure, clients=clients,
+                                                 block_size=block_size) if r.pulled > 0]
+        mean.append(sum(pulls) / len(pulls))
+    per_token = (t2 - t1) / (mean[1] - mean[0])
+    return t1 - per_token * mean[0], curves.kv_bytes_per_token / per_token
+
+
+def calibrate_bench(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS,
+                    clients: BenchClients = SEED_CLIENTS, block_size: int = 16, rtol: float = 1e-5,
+                    link: tuple[float, float] | None = None, phases: int = 1) -> PDModel:
+    """c0 and alpha through the seed's two off points with the benchmark's clients and queueing in the model.
+
+    c0 (proxy latency, no engine time) shifts every request of both clients alike,
+    so a point's mean is c0 + g(alpha, x); g grows with alpha but not linearly
+    (decode steps do not scale with it, so the clients' overlap changes), so
+    alpha solves g(alpha, x2) - g(alpha, x1) = off(x2) - off(x1) by the secant
+    method (bisection as a fallback) to ``rtol``, then c0 follows.  The planner
+    runs once per point; the cost models are timed on its recorded decisions.
+    ``link``: (latency s, bandwidth bytes/s) of a NIXL READ instead of the
+    default (e.g. :func:`published_link`).  ``phases``: as :func:`bench_mean`."""
+    seq = calibrate(curves, structure=structure, block_size=block_size)
+    probe = msgspec.structs.replace(seq, c0=0.0)
+    if link is not None:
+        probe = msgspec.structs.replace(probe, latency=link[0], bandwidth=link[1])
+    x1, x2 = sorted(curves.off)
+    target = curves.off[x2] - curves.off[x1]
+    kw = dict(structure=structure, clients=clients, block_size=block_size)
+    decided = {x: run_benchmark(probe, "off", x, **kw) for x in (x1, x2)}
+
+    def g(a: float, x: int, c0: float) -> float:
+        return bench_mean(msgspec.structs.replace(probe, alpha=a, c0=c0), "off", x, replay=decided[x],
+                          phases=phases, **kw)
+
+    def solve_alpha(c0: float, a0: float) -> float:
+        """Secant steps; if they do not settle (the clients' overlap makes h step-wise), bisect a bracket."""
+        def h(a: float) -> float:
+            return g(a, x2, c0) - g(a, x1, c0) - target
+
+        seen: list[tuple[float, float]] = []
+        a1 = 0.9 * a0
+        h0, h1 = h(a0), h(a1)
+        seen += [(a0, h0), (a1, h1)]
+        for _ in range(8):
+            if abs(h1) <= rtol * target:
+                return a1
+            a2 = a1 - h1 * (a1 - a0) / (h1 - h0) if h1 != h0 else a1 * 0.9
+            if not a2 > 0:
+                a2 = a1 / 2
+            a0, h0, a1, h1 = a1, h1, a2, h(a2)
+            seen.append((a1, h1))
+        lo = max((a for a, v in seen if v < 0), default=0.0)
+        hi = min((a for a, v in seen if v > 0), default=0.0)
+        while hi <= lo:
+            hi = 2 * max(hi, lo, a1)
+            if h(hi) > 0:
+                break
+        while hi - lo > rtol * hi:
+            mid = (lo + hi) / 2
+            v = h(mid)
+            if abs(v) <= rtol * target:
+                return mid
+            lo, hi = (mid, hi) if v < 0 else (lo, mid)
+        return (lo + hi) / 2
+
+    # c0 is nearly, not exactly, a shift (D's step grid): alternate the two solves until both points hold
+    c0, alpha = 0.0, seq.alpha
+    for _ in range(6):
+        alpha = solve_alpha(c0, alpha)
+        miss = curves.off[x1] - g(alpha, x1, c0)
+        c0 += miss
+        if abs(miss) <= rtol * curves.off[x1] and abs(g(alpha, x2, c0) - curves.off[x2]) <= 10 * rtol * curves.off[x2]:
+            break
+    return msgspec.structs.replace(probe, c0=float(c0), alpha=float(alpha))
+
+
+class BenchPoint(msgspec.Struct, frozen=True):
+    """One prefix of the benchmark sweep: mean TTFT (s) per policy over every request, and what moved it.
+
+    on_p_queue / off_p_queue: mean time a request spent on P beyond its own
+    work (s); on_recompute: share of the on leg's requests that recomputed."""
+
+    prefix: int
+    requests: int
+    off: float
+    on: float
+    ours: float
+    off_p_queue: float
+    on_p_queue: float
+    on_recompute: float
+
+
+class BenchResult(msgspec.Struct, frozen=True):
+    """The seed's sweep with its benchmark's clients (:func:`run_benchmark`), calibrated per model on its off curve.
+
+    errors[model][point] = model on / published on - 1 at every published on point;
+    link_models / link_errors: the same with each model's NIXL READ taken from
+    its published transfer times (:func:`published_link`; empty if not run)."""
+
+    clients: BenchClients
+    structure: TurnStructure
+    models: dict[str, PDModel]
+    errors: dict[str, dict[int, float]]
+    points: list[BenchPoint]
+    ours_threshold: int
+    link_models: dict[str, PDModel] = {}
+    link_errors: dict[str, dict[int, float]] = {}
+
+
+def bench_sweep(*, clients: BenchClients = SEED_CLIENTS, structure: TurnStructure = SEED_TURNS,
+                contexts: Sequence[int] = tuple(range(2000, 24001, 2000)), block_size: int = 16,
+                threshold: int = 64, link_variant: bool = True) -> BenchResult:
+    """Calibrate both models on their off points with the benchmark's clients, predict their on points, and run
+    off / on / ours for Qwen3-32B over ``contexts`` (nothing fitted on an on curve).  ``link_variant``: also
+    predict both on curves with each model's link taken from its published transfer times
+    (:func:`published_link`), reported in ``link_errors``."""
+    models: dict[str, PDModel] = {}
+    errors: dict[str, dict[int, float]] = {}
+    link_models: dict[str, PDModel] = {}
+    link_errors: dict[str, dict[int, float]] = {}
+    kw0 = dict(structure=structure, clients=clients, block_size=block_size)
+    for cur in (QWEN3_32B, GLM5_FP8):
+        m = calibrate_bench(cur, **kw0)
+        models[cur.name] = m
+        errors[cur.name] = {x: bench_mean(m, "on", x, **kw0, threshold=threshold) / t - 1.0
+                            for x, t in sorted(cur.on.items())}
+        if link_variant:
+            lm = calibrate_bench(cur, **kw0, link=published_link(cur, **kw0))
+            link_models[cur.name] = lm
+            link_errors[cur.name] = {x: bench_mean(lm, "on", x, **kw0, threshold=threshold) / t - 1.0
+                                     for x, t in sorted(cur.on.items())}
+    m = models[QWEN3_32B.name]
+    adv = advise(ModelKV(name=QWEN3_32B.name, layers=64, kv_heads=8, head_dim=128), m.alpha,
+                 TransferCost(latency_s=m.latency, bytes_per_s=m.bandwidth), block_size=block_size)
+    ours_threshold = adv.recommended_threshold if adv.recommended_threshold is not None else threshold
+    points = []
+    kw = dict(structure=structure, clients=clients, block_size=block_size)
+    for x in sorted(set(contexts) | set(QWEN3_32B.on)):
+        off = run_benchmark(m, "off", x, **kw, threshold=threshold)
+        on = run_benchmark(m, "on", x, **kw, threshold=threshold)
+        ours = run_benchmark(m, "ours", x, **kw, threshold=ours_threshold)
+
+        def mean(rs: list[BenchRecord], f) -> float:
+            return sum(f(r) for r in rs) / len(rs)
+
+        points.append(BenchPoint(x, len(on), mean(off, lambda r: r.ttft), mean(on, lambda r: r.ttft),
+                                 mean(ours, lambda r: r.ttft), mean(off, lambda r: r.p_queue),
+                                 mean(on, lambda r: r.p_queue), mean(on, lambda r: r.action == "recompute")))
+    return BenchResult(clients, structure, models, errors, points, ours_threshold, link_models, link_errors)
+
+
+def bench_table(res: BenchResult) -> str:
+    """Markdown: the benchmark's clients, both models' calibrations and errors, then one row per prefix."""
+    c, q = res.clients, res.models[QWEN3_32B.name]
+    lines = [
+        f"Benchmark clients as the seed ran them: {c.num_clients} clients, {c.max_active_conversations} active "
+        f"conversations, {c.num_conversations} conversations, early stop {'on' if c.early_stop else 'off'}, "
+        f"max_num_seqs {c.max_num_seqs}, token budget {c.max_num_batched_tokens:,}, D step {c.tpot * 1e3:.0f} ms.",
+        "",
+        "| model | c0 ms | alpha us/token | on-curve error at each published point |",
+        "|---|---|---|---|",
+    ]
+    for name, m in res.models.items():
+        lines.append(f"| {name} | {m.c0 * 1e3:.1f} | {m.alpha * 1e6:.2f} | "
+                     + ", ".join(f"{e:+.1%} at {x:,}" for x, e in sorted(res.errors[name].items())) + " |")
+    for name, m in res.link_models.items():
+        lines.append(f"| {name}, NIXL READ from the published transfer times ({m.latency * 1e3:.1f} ms + "
+                     f"{m.kv_bytes_per_token / m.bandwidth * 1e6:.2f} us/token) | {m.c0 * 1e3:.1f} | "
+                     f"{m.alpha * 1e6:.2f} | "
+                     + ", ".join(f"{e:+.1%} at {x:,}" for x, e in sorted(res.link_errors[name].items())) + " |")
+    lines += [
+        "",
+        f"Qwen3-32B (c0 {q.c0 * 1e3:.1f} ms, alpha {q.alpha * 1e6:.2f} us/token; ours: 2 P with prefix caching, "
+        f"threshold {res.ours_threshold}):",
+        "",
+        "| prefix | requests | off ms | on ms (model) | published on ms | error | on: recomputed | "
+        "P queueing off / on ms | ours ms | ours / on |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    pub = QWEN3_32B.on
+    for p in res.points:
+        e = res.errors[QWEN3_32B.name].get(p.prefix)
+        pubs = f"{pub[p.prefix] * 1e3:.0f} | {e:+.1%}" if e is not None else "- | -"
+        lines.append(f"| {p.prefix:,} | {p.requests} | {p.off * 1e3:.0f} | {p.on * 1e3:.0f} | {pubs} | "
+                     f"{p.on_recompute:.0%} | {p.off_p_queue * 1e3:.0f} / {p.on_p_queue * 1e3:.0f} | "
+                     f"{p.ours * 1e3:.0f} | {p.ours / p.on:.2f} |")
+    return "\n".join(lines)
+
+
+def plot_bench(res: BenchResult, path) -> None:
+    """TTFT per prefix with the benchmark's clients: off (fitted), on (predicted), ours, and the seed's points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [p.prefix for p in res.points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
+    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (predicted)")
+    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
+    ax.scatter(list(QWEN3_32B.off), [v * 1e3 for v in QWEN3_32B.off.values()], marker="x", s=80, color="C0",
+               label="seed off")
+    ax.scatter(list(QWEN3_32B.on), [v * 1e3 for v in QWEN3_32B.on.values()], marker="x", s=80, color="C1",
+               label="seed on")
+    c = res.clients
+    ax.set_xlabel("conversation prefix tokens (mean TTFT over the benchmark's requests)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title(f"Seed 000: Qwen3-32B, 1 D, {c.num_clients} benchmark clients")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
