@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from kvindex.index import KVBlockIndex  # noqa: E402
@@ -49,6 +49,10 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-shrink", action="store_true",
+        help="report the first failure as found (a timing-dependent failure may not replay while shrinking)",
+    )
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     examples = 0
@@ -70,10 +74,14 @@ def main() -> None:
             settings=settings(
                 max_examples=args.examples, stateful_step_count=args.steps, deadline=None,
                 suppress_health_check=list(HealthCheck), derandomize=False, database=None,
+                phases=[Phase.generate] if args.no_shrink else list(Phase),
             ),
         )
     except BaseException as exc:  # noqa: BLE001 - report and exit non-zero
         ok = False
+        import traceback
+
+        traceback.print_exc()
         print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
     print(json.dumps({"machine": args.machine, "index": args.index, "seed": args.seed, "steps": args.steps,
                       "max_examples": args.examples, "machines_built": examples, "ok": ok,
