@@ -96,7 +96,8 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   the next seq is not applied directly either: the dropped messages may have
   been a restarted engine's first batches.  With a replay endpoint the
   stream is resynced at once (replayed from its last batch, which must still
-  be the one applied), once per drop notice.
+  be the one applied), once per drop notice; while a failed resync waits for
+  its retry, the next seq waits in the engine's buffer too (``deferred``).
 - A replay asked from our last seq + 1 (a gap, a resync, a retry, the rest of
   a replay) is asked from our last batch, which the same process still holds
   with the same timestamp.  When the buffer no longer holds it (its first
@@ -458,7 +459,8 @@ class Sequencer:
                 out.append(Count("unconfirmed"))
         if self._retry is not None and (
             self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
-                self._check_due or self._resync_due or self.last_ts is not None and b.ts < self.last_ts
+                self._check_due or self._resync_due or self._retry == "resync"
+                or self.last_ts is not None and b.ts < self.last_ts
             )
         ):
             # a replay this message needs failed and is asked again later (``retry``): the engine's

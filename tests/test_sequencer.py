@@ -519,3 +519,31 @@ def test_an_unreadable_newest_batch_that_stays_unreadable_leaves_the_stream_inco
         out = s.replay_end(True)
     assert asks >= 1 and counts(out).get("gaps_unrecovered") == 1
     assert not s.complete and s.last == 0
+
+
+def test_after_a_drop_the_next_seq_waits_for_the_failed_resync_not_applied() -> None:
+    """A drop, an unnoticed restart whose seq 0 could not be checked (endpoint down) and whose
+    candidate a second drop discarded, the resync replay failing: the new process's seq 1, which
+    continues our seq 0, used to be applied at once and the retried resync then checked it
+    against itself (complete, the new seq 0 missing, the old process's blocks kept).  It now
+    waits in the engine's buffer for the retry, which finds the new process and rebuilds."""
+    s = started(1)
+    s.dropped()
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)
+    s.confirmed(None)  # endpoint down: held as a candidate
+    s.dropped()  # discards it
+    out = s.idle()
+    assert out[-1] == Replay(0)  # the resync, from our last batch
+    s.replay_end(False)
+    assert s.retry_pending
+    out = s.live(b(1, ts=500.1))
+    assert applied(out) == [] and counts(out).get("deferred") == 1
+    out = s.retry()
+    assert out[-1] == Replay(0)
+    out = s.replayed(b(0, ts=500.0))  # not our seq-0 batch (100.0): a new process
+    assert any(isinstance(a, Clear) for a in out)
+    out = s.replay_end(True)
+    assert out[-1] == Replay(0)
+    got = s.replayed(b(0, ts=500.0)) + s.replayed(b(1, ts=500.1))
+    s.replay_end(True)
+    assert applied(got) == [0, 1] and s.complete and s.last_ts == 500.1
