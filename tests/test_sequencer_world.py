@@ -331,6 +331,14 @@ class World(RuleBasedStateMachine):
         self.process(len(self.transit))
         self.shard_idle()
 
+    @rule()
+    def backoff_passed(self) -> None:
+        """A failed replay's backoff passed: the shard asks it again between two messages
+        (kvevents.pool._Shard.run), not only when its queue is empty."""
+        if self.seq.retry_pending:
+            self.log.append("retry (between messages)")
+            self.run(self.seq.retry())
+
     @rule(seed=st.integers(0, 2**16), noticed=st.booleans(), first=st.sampled_from(["ok", "ok", "drop", "hold"]))
     def restart(self, seed: int, noticed: bool, first: str) -> None:
         """A new engine process.  Noticed: the subscriber sees the disconnect and the reconnect.
