@@ -587,31 +587,42 @@ def table(res: PDResult) -> str:
     return "\n".join(lines)
 
 
-def plot(res: PDResult, path) -> None:
-    """TTFT per context: the three policies (lines) and the seed's points (crosses)."""
+def _plot_ttft(
+    path, xs: list[int], curves: list[tuple[list[float], str]], published: tuple[dict, dict], xlabel: str, title: str
+) -> None:
+    """TTFT curves (seconds, drawn in ms) against ``xs`` and the seed's off/on points (crosses)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [p.context for p in res.points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
-    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (model)")
-    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
-    ax.scatter(list(res.published_off), [v * 1e3 for v in res.published_off.values()], marker="x", s=80,
-               color="C0", label="seed off")
-    ax.scatter(list(res.published_on), [v * 1e3 for v in res.published_on.values()], marker="x", s=80,
-               color="C1", label="seed on")
-    ax.set_xlabel("conversation prefix tokens (mean over its turns)" if res.structure is not None
-                  else "context tokens of the turn")
+    for ys, label in curves:
+        ax.plot(xs, [y * 1e3 for y in ys], marker="o", label=label)
+    for color, name, pts in (("C0", "seed off", published[0]), ("C1", "seed on", published[1])):
+        ax.scatter(list(pts), [v * 1e3 for v in pts.values()], marker="x", s=80, color=color, label=name)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("TTFT (ms)")
-    ax.set_title("Seed 000: Qwen3-32B, 1 D")
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot(res: PDResult, path) -> None:
+    """TTFT per context: the three policies (lines) and the seed's points (crosses)."""
+    pts = res.points
+    _plot_ttft(
+        path, [p.context for p in pts],
+        [([p.off for p in pts], "off (fitted on the seed's 2 points)"),
+         ([p.on for p in pts], "bidirectional on, 1 P (model)"),
+         ([p.ours for p in pts], "ours: 2 P with prefix cache + index")],
+        (res.published_off, res.published_on),
+        "conversation prefix tokens (mean over its turns)" if res.structure is not None else "context tokens of the turn",
+        "Seed 000: Qwen3-32B, 1 D",
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1089,26 +1100,13 @@ def bench_table(res: BenchResult) -> str:
 
 def plot_bench(res: BenchResult, path) -> None:
     """TTFT per prefix with the benchmark's clients: off (fitted), on (predicted), ours, and the seed's points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [p.prefix for p in res.points]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [p.off * 1e3 for p in res.points], marker="o", label="off (fitted on the seed's 2 points)")
-    ax.plot(xs, [p.on * 1e3 for p in res.points], marker="o", label="bidirectional on, 1 P (predicted)")
-    ax.plot(xs, [p.ours * 1e3 for p in res.points], marker="o", label="ours: 2 P with prefix cache + index")
-    ax.scatter(list(QWEN3_32B.off), [v * 1e3 for v in QWEN3_32B.off.values()], marker="x", s=80, color="C0",
-               label="seed off")
-    ax.scatter(list(QWEN3_32B.on), [v * 1e3 for v in QWEN3_32B.on.values()], marker="x", s=80, color="C1",
-               label="seed on")
-    c = res.clients
-    ax.set_xlabel("conversation prefix tokens (mean TTFT over the benchmark's requests)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"Seed 000: Qwen3-32B, 1 D, {c.num_clients} benchmark clients")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    pts = res.points
+    _plot_ttft(
+        path, [p.prefix for p in pts],
+        [([p.off for p in pts], "off (fitted on the seed's 2 points)"),
+         ([p.on for p in pts], "bidirectional on, 1 P (predicted)"),
+         ([p.ours for p in pts], "ours: 2 P with prefix cache + index")],
+        (QWEN3_32B.off, QWEN3_32B.on),
+        "conversation prefix tokens (mean TTFT over the benchmark's requests)",
+        f"Seed 000: Qwen3-32B, 1 D, {res.clients.num_clients} benchmark clients",
+    )
