@@ -241,7 +241,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent", "_r_bad",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent", "_r_bad", "_gap_fallback",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -289,6 +289,7 @@ class Sequencer:
         self._r_bad: int | None = None  # the replay in progress's newest unreadable batch's seq
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
+        self._gap_fallback: Batch | None = None  # a gap's held message the pending batch confirmed (applied if the replay fails)
         self._start_alone = False  # the pending batch confirmed an unchecked start: if the replay fails, it starts the stream alone
         self.broken = False  # the index failed to take a write of this stream since its last rebuild
         self._rebuild_due = False
@@ -429,6 +430,12 @@ class Sequencer:
                 elif self.last is None and cb.seq == 0:
                     self.exact = True  # a stream starting at seq 0, confirmed by its next message
                     self._apply(out, cb)
+                elif self.has_replay and self.last is not None and cb.seq > self.last + 1:
+                    # a gap nobody could replay: ask the endpoint once more (it may answer again);
+                    # if it does not, both messages are applied past the gap as before
+                    self._pending = b
+                    self._gap_fallback = cb
+                    return self._start_replay(out, "gap", self.last + 1)
                 else:
                     out.append(Count("gaps_unrecovered"))
                     self.exact = False
@@ -627,7 +634,8 @@ class Sequencer:
         wait in the engine's buffer (``deferred``).  When the retries run out,
         the stream goes on as without a replay endpoint (the gap counted
         ``gaps_unrecovered``, the stream incomplete); later gaps still ask the
-        endpoint once each, but their failures are retried again only after
+        endpoint once each (and once more when the next message continues the
+        held one), but their failures are retried again only after
         the endpoint has answered a replay or check.
         """
         out: list[Action] = []
@@ -676,6 +684,7 @@ class Sequencer:
             return self._start_replay(out, "restart", 0)
         pending, self._pending = self._pending, None
         alone, self._start_alone = self._start_alone, False
+        fallback, self._gap_fallback = self._gap_fallback, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
             self.retry_attempts = 0
@@ -731,6 +740,11 @@ class Sequencer:
                     self._apply(out, pending)
             elif ok and self._r_count > 0:
                 out.append(Count("unconfirmed"))  # beyond the engine's newest batch
+            elif not ok and fallback is not None and fallback.seq > self.last and fallback.seq + 1 == pending.seq:
+                # the gap's two messages, as without an endpoint (the failure counted the gap)
+                self.exact = False
+                self._apply(out, fallback)
+                self._apply(out, pending)
             else:
                 # no buffer to check against (or the check failed): the next message decides
                 self._hold(out, "fwd", pending)

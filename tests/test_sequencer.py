@@ -110,12 +110,14 @@ def test_retries_are_bounded_then_the_stream_goes_on_without_asking() -> None:
     assert c["replay_failures"] == 1 and c["gaps_unrecovered"] == 1 and not s.exact and not s.complete
     assert s.retry() == []
     # the next gap asks once more (the endpoint may be back); failing, it is not retried but held
-    # as a candidate, as without an endpoint, and the message after it continues it
+    # as a candidate, as without an endpoint; the message after it continues it and asks once more
+    # too, and failing again both are applied past the gap
     assert s.live(b(9))[-1] == Replay(2)
     out = s.replay_end(False)
     assert not s.retry_pending and counts(out)["gaps_unrecovered"] == 1 and applied(out) == []
-    out = s.live(b(10))
-    assert applied(out) == [9, 10] and not s.complete
+    assert s.live(b(10))[-1] == Replay(2)
+    out = s.replay_end(False)
+    assert applied(out) == [9, 10] and not s.complete and not s.retry_pending
     assert s.live(b(12))[-1] == Replay(10)
     for seq in (10, 11, 12):
         s.replayed(b(seq))
@@ -547,3 +549,27 @@ def test_after_a_drop_the_next_seq_waits_for_the_failed_resync_not_applied() -> 
     got = s.replayed(b(0, ts=500.0)) + s.replayed(b(1, ts=500.1))
     s.replay_end(True)
     assert applied(got) == [0, 1] and s.complete and s.last_ts == 500.1
+
+
+def test_a_gap_held_while_the_endpoint_was_given_up_asks_it_again_when_continued() -> None:
+    """Retries spent, seq 3 lost, seq 4 held: seq 5 continues it.  The endpoint is asked once more
+    (it answers again): the lost seq 3 (a removal) is replayed, not skipped."""
+    s = started(3, max_retries=0)
+    assert s.live(b(4))[-1] == Replay(2)
+    s.replay_end(False)  # given up at once: 4 held
+    out = s.live(b(5))
+    assert applied(out) == [] and out[-1] == Replay(2)
+    got = []
+    for k in (2, 3, 4):
+        got += s.replayed(b(k))
+    got += s.replay_end(True)
+    assert applied(got) == [3, 4, 5] and s.last == 5  # (still reported incomplete: the gap was counted lost)
+
+
+def test_a_gap_held_while_the_endpoint_stays_down_is_applied_past_as_before() -> None:
+    s = started(3, max_retries=0)
+    s.live(b(4))
+    s.replay_end(False)
+    assert s.live(b(5))[-1] == Replay(2)
+    out = s.replay_end(False)
+    assert applied(out) == [4, 5] and counts(out).get("gaps_unrecovered") == 1 and not s.complete
