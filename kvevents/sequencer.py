@@ -633,7 +633,9 @@ class Sequencer:
         last batch, incomplete, and live messages that would need the replay
         wait in the engine's buffer (``deferred``).  When the retries run out,
         the stream goes on as without a replay endpoint (the gap counted
-        ``gaps_unrecovered``, the stream incomplete); later gaps still ask the
+        ``gaps_unrecovered``, the stream incomplete; an unnoticed restart
+        whose first batches are lost meanwhile is not seen then, and the
+        stream stays incomplete); later gaps still ask the
         endpoint once each (and once more when the next message continues the
         held one), but their failures are retried again only after
         the endpoint has answered a replay or check.
