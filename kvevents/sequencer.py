@@ -241,7 +241,7 @@ class Sequencer:
         "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_start_alone", "_recent", "_r_bad", "_gap_fallback",
+        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_recent", "_r_bad", "_held",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -289,8 +289,7 @@ class Sequencer:
         self._r_bad: int | None = None  # the replay in progress's newest unreadable batch's seq
         self._r_retries = 0  # replays in a row asked again for a hole without progress
         self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
-        self._gap_fallback: Batch | None = None  # a gap's held message the pending batch confirmed (applied if the replay fails)
-        self._start_alone = False  # the pending batch confirmed an unchecked start: if the replay fails, it starts the stream alone
+        self._held: Batch | None = None  # the unchecked message the pending batch continued (see replay_end)
         self.broken = False  # the index failed to take a write of this stream since its last rebuild
         self._rebuild_due = False
 
@@ -419,23 +418,18 @@ class Sequencer:
                     self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
                     self._apply(out, cb)
                     self.exact = cb.seq == 0 or cb.resets
-                elif self.last is None and self.has_replay:
-                    # a start nobody could check (the endpoint did not answer): ask it once more, it
-                    # rebuilds the stream from its buffer.  If it does not answer, only this message
-                    # is applied (joined late), never the candidate: one message before it may be
-                    # one no process published, and the endpoint is not there to tell
+                elif self.has_replay and (self.last is None or cb.seq > self.last + 1):
+                    # a start or a gap nobody could check (the endpoint did not answer): ask it once
+                    # more, it rebuilds or fills the stream from its buffer; if it does not answer,
+                    # replay_end goes on without it
                     self._pending = b
-                    self._start_alone = True
-                    return self._start_replay(out, "fresh", 0)
+                    self._held = cb
+                    if self.last is None:
+                        return self._start_replay(out, "fresh", 0)
+                    return self._start_replay(out, "gap", self.last + 1)
                 elif self.last is None and cb.seq == 0:
                     self.exact = True  # a stream starting at seq 0, confirmed by its next message
                     self._apply(out, cb)
-                elif self.has_replay and self.last is not None and cb.seq > self.last + 1:
-                    # a gap nobody could replay: ask the endpoint once more (it may answer again);
-                    # if it does not, both messages are applied past the gap as before
-                    self._pending = b
-                    self._gap_fallback = cb
-                    return self._start_replay(out, "gap", self.last + 1)
                 else:
                     out.append(Count("gaps_unrecovered"))
                     self.exact = False
@@ -685,8 +679,7 @@ class Sequencer:
             self._clear(out, "the engine's buffer no longer has our last batch nor anything after it")
             return self._start_replay(out, "restart", 0)
         pending, self._pending = self._pending, None
-        alone, self._start_alone = self._start_alone, False
-        fallback, self._gap_fallback = self._gap_fallback, None
+        held, self._held = self._held, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
             self.retry_attempts = 0
@@ -724,8 +717,10 @@ class Sequencer:
                     # the engine's buffer is empty: it has not published this message (vLLM
                     # buffers a batch as it publishes it); its next message starts the stream
                     out.append(Count("unconfirmed"))
-                elif alone:
-                    out.append(Count("unconfirmed"))  # the unchecked candidate it confirmed is not applied
+                elif held is not None:
+                    # a start: only the continuing message is applied (joined late), never the
+                    # unchecked one before it, which may be a message no process published
+                    out.append(Count("unconfirmed"))
                     self.exact = False
                     self._apply(out, pending)
                 else:
@@ -742,10 +737,10 @@ class Sequencer:
                     self._apply(out, pending)
             elif ok and self._r_count > 0:
                 out.append(Count("unconfirmed"))  # beyond the engine's newest batch
-            elif not ok and fallback is not None and fallback.seq > self.last and fallback.seq + 1 == pending.seq:
+            elif not ok and held is not None and held.seq > self.last and held.seq + 1 == pending.seq:
                 # the gap's two messages, as without an endpoint (the failure counted the gap)
                 self.exact = False
-                self._apply(out, fallback)
+                self._apply(out, held)
                 self._apply(out, pending)
             else:
                 # no buffer to check against (or the check failed): the next message decides
