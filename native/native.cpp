@@ -1882,6 +1882,8 @@ class IndexCore {
         u32 bis[GROUP];
         size_t group = 4;
         bool done = false;
+        const HolderVec* prev = nullptr;  // the last block walked holder by holder
+        size_t streak = 0;                // blocks since then with the same holders
         for (size_t g0 = 0; g0 < n && !done; g0 += group, group = std::min(GROUP, group * 2)) {
             size_t m = std::min(group, n - g0);
             lookup_group(keys + g0, m, bis);
@@ -1891,8 +1893,22 @@ class IndexCore {
                     done = true;
                     break;
                 }
+                const HolderVec& hv = blocks_[bis[j]].hs;
+                // the same holders (pods, attributes) as the previous block: every live candidate
+                // holds this block with the same mask and rank, so its run grows by one (credited
+                // in bulk below); this reads the holders but does none of the per-holder work
+                if (prev && same_holders(hv, *prev)) {
+                    ++streak;
+                    if (path) path->push_back(bis[j]);
+                    continue;
+                }
+                if (streak) {
+                    for (size_t c : live) runn[c] += streak;
+                    streak = 0;
+                }
+                prev = &hv;
                 size_t hits = 0;
-                for (const Holder& h : blocks_[bis[j]].hs) {
+                for (const Holder& h : hv) {
                     int c = of_slot[h.pod()];
                     if (c < 0) continue;
                     const Attr& at = av[h.at];
@@ -1937,7 +1953,20 @@ class IndexCore {
                 if (path) path->push_back(bis[j]);
             }
         }
+        if (streak)
+            for (size_t c : live) runn[c] += streak;
         for (size_t c = 0; c < nc; ++c) flush(c);
+    }
+
+    // Two blocks' holders are the same (pod slot, flags, attributes) in the same order.
+    static bool same_holders(const HolderVec& a, const HolderVec& b) {
+        size_t n = a.size();
+        if (n != b.size()) return false;
+        const Holder* x = a.begin();
+        const Holder* y = b.begin();
+        for (size_t k = 0; k < n; ++k)
+            if (x[k].pf != y[k].pf || x[k].at != y[k].at) return false;
+        return true;
     }
 
     static double mask_weight(u64 m, const std::vector<double>& w) {
