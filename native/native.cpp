@@ -2523,12 +2523,15 @@ inline PyObject* attr(PyObject* o, PyObject* name) {
     return r;
 }
 
-nb::object ttft_rows(nb::handle prefix_o, nb::handle loads_o, nb::handle pods_o, long long n_prompt, double kvp,
+nb::object ttft_rows(nb::handle prefix_o, nb::handle loads_o, nb::handle pods_o, nb::handle n_prompt_o, double kvp,
                      double stall, double reserve, double tie, nb::handle row_type) {
     (void)reserve;  // only the overflow term (kv_stall > 0, the Python path) reads it
     if (!PyDict_CheckExact(prefix_o.ptr()) || !PyDict_CheckExact(loads_o.ptr()) || !PyList_CheckExact(pods_o.ptr()))
         return nb::none();
-    if (stall > 0.0 || n_prompt < 0 || n_prompt >= (1LL << 53)) return nb::none();
+    // the prompt length as any int (2**63 and past it included): the Python path takes them all
+    long long n_prompt;
+    if (!int53(n_prompt_o.ptr(), n_prompt)) return nb::none();
+    if (stall > 0.0 || n_prompt < 0) return nb::none();
     static PyObject *s_waiting = PyUnicode_InternFromString("waiting"),
                     *s_in_flight = PyUnicode_InternFromString("in_flight"),
                     *s_kv_usage = PyUnicode_InternFromString("kv_usage"),
@@ -2552,6 +2555,8 @@ nb::object ttft_rows(nb::handle prefix_o, nb::handle loads_o, nb::handle pods_o,
         if (!ps && PyErr_Occurred()) throw nb::python_error();
         PyObject* ld = PyDict_GetItemWithError(loads, pod);
         if (!ld && PyErr_Occurred()) throw nb::python_error();
+        // owned while their fields are read: a field's getter may drop the dicts' references
+        nb::object ps_ref = nb::borrow(ps), ld_ref = nb::borrow(ld);
         if (ps == Py_None) ps = nullptr;
         if (ld == Py_None) ld = nullptr;
         nb::object waiting_o = zero_f, in_flight_o = zero_i, usage_o = zero_f, cov_o = zero_f, matched_o = zero_i;
