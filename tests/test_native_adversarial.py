@@ -104,11 +104,13 @@ class ManyPodRuns(RuleBasedStateMachine):
         return out[0]
 
     @rule(first=st.integers(0, N_PODS - 1), count=st.integers(1, N_PODS), step=st.sampled_from([1, 1, 3]),
-          rank=st.sampled_from(RANKS), tier=st.sampled_from(TIERS), model=st.sampled_from(MODELS),
-          path=st.integers(0, 2), start=st.sampled_from([0, 0, 0, 3, 9]), n=st.integers(1, N_BLOCKS))
+          rank=st.sampled_from([0, 0, *RANKS]), tier=st.sampled_from(TIERS), model=st.sampled_from([None, *MODELS]),
+          path=st.integers(0, 2), start=st.just(0) | st.integers(0, N_BLOCKS - 1), n=st.integers(1, N_BLOCKS))
     def group_store(self, first, count, step, rank, tier, model, path, start, n):
         """Pods first, first+step, ... each store blocks [start, start+n) of one path (parent: the
-        block before, which makes an orphan where the pod does not hold it)."""
+        block before, which makes an orphan where the pod does not hold it).  Over a prefix the pods
+        stored in another tier or rank, this changes the holders' attributes (not their pods) from
+        one block to the next."""
         j = min(N_BLOCKS, start + n)
         parent = None if start == 0 else self.EKS[path][start - 1]
         toks = list(PATHS[path][start * BS: j * BS])
@@ -147,7 +149,7 @@ class ManyPodRuns(RuleBasedStateMachine):
         self.now[0] += dt
 
     @rule(path=st.integers(0, 2), upto=st.integers(0, N_BLOCKS), tail=st.integers(0, BS - 1),
-          model=st.sampled_from(MODELS),
+          model=st.sampled_from([None, *MODELS]),
           pods=st.none() | st.lists(st.sampled_from(PODS[:12] + ["zz", ""]), max_size=10)
           | st.builds(lambda a, b: PODS[a:b] + PODS[a:b], st.integers(0, N_PODS), st.integers(0, N_PODS)),
           as_array=st.booleans())
@@ -372,3 +374,48 @@ def test_ttft_rows_do_not_leak():
         tracemalloc.stop()
     # a leaked row per pick would be 2000 x ~200 bytes; allow allocator noise only
     assert after - before < 20_000, after - before
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fill=st.sampled_from([0, 3, 70]),
+    base=st.lists(st.tuples(st.sampled_from(TIERS), st.sampled_from([0, 0, 1]), st.integers(1, N_BLOCKS)),
+                  min_size=1, max_size=4),
+    overlays=st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["gpu", "cpu", "storage"]),
+                                st.sampled_from([0, 0, 1]), st.integers(0, N_BLOCKS - 1), st.integers(1, 8),
+                                st.booleans()),
+                      max_size=6),
+    pods=st.none() | st.lists(st.sampled_from(["q0", "q1", "q2", "q3", "p00", "zz"]), min_size=1, max_size=6),
+)
+def test_runs_whose_holders_keep_their_pods_but_change_attributes(fill, base, overlays, pods):
+    """Blocks whose holders are the same pods in the same order but whose tier masks or DP ranks
+    differ from the previous block's (a sub-range stored again in another tier, or removed from
+    one tier; another rank's copy), among ``fill`` pods holding the whole path: the compiled
+    summary and dp_ranks equal the reference's."""
+    tp = ManyPodRuns.TP
+    path, eks = PATHS[0], EKS[0]
+    ref, nat = KVBlockIndex(tp), NativeKVBlockIndex(tp)
+    toks = list(path)
+
+    def both(name, *args, **kw):
+        for x in (ref, nat):
+            getattr(x, name)(*args, **kw)
+
+    for k in range(fill):
+        both("block_stored", PODS[k], 0, eks, None, toks, "gpu", block_size=BS)
+    for q, (tier, rank, n) in enumerate(base):
+        both("block_stored", f"q{q}", rank, eks[:n], None, toks[: n * BS], tier, block_size=BS)
+    for q, tier, rank, a, n, remove in overlays:
+        b = min(N_BLOCKS, a + n)
+        if remove:
+            both("block_removed", f"q{q}", rank, eks[a:b], tier)
+        else:
+            both("block_stored", f"q{q}", rank, eks[a:b], None if a == 0 else eks[a - 1], toks[a * BS: b * BS],
+                 tier, block_size=BS)
+    keys = [int(k) for k in tp.request_keys(toks)]
+    want = _summarise(ref.prefix_match(keys, pods), WEIGHTS)
+    assert nat.prefix_summary(keys, pods, WEIGHTS) == want
+    ranks: dict = {}
+    _, got = nat.match_tokens(toks, pods, WEIGHTS, dp_ranks=ranks)
+    assert got == want
+    assert ranks == _exact_ranks(ref, keys, got)
