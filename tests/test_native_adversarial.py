@@ -175,11 +175,19 @@ class ManyPodRuns(RuleBasedStateMachine):
             assert rank == ref.best_dp_rank(pod, keys[: got[pod][0]])
 
     @invariant()
-    def same_sizes(self):
-        if self.ixs:
-            self.both("pods")
-            self.both("__len__")
-            self.ixs[1].check()
+    def same_sizes_and_full_reads(self):
+        """After every step: sizes, and the summary of each whole path for both models and all pods
+        (prefix_summary does not refresh recency differently from the reference's prefix_match)."""
+        if not self.ixs:
+            return
+        ref, nat = self.ixs
+        self.both("pods")
+        self.both("__len__")
+        nat.check()
+        for path in range(len(PATHS)):
+            for model in MODELS:
+                keys = [int(k) for k in self.TP.request_keys(list(PATHS[path]), model=model)]
+                assert nat.prefix_summary(keys, None, WEIGHTS) == _summarise(ref.prefix_match(keys, None), WEIGHTS)
 
 
 TestManyPodRuns = ManyPodRuns.TestCase
