@@ -2532,6 +2532,8 @@ nb::object ttft_rows(nb::handle prefix_o, nb::handle loads_o, nb::handle pods_o,
     long long n_prompt;
     if (!int53(n_prompt_o.ptr(), n_prompt)) return nb::none();
     if (stall > 0.0 || n_prompt < 0) return nb::none();
+    // parameters changed after the constructor's checks (NaN, infinite, negative): the Python path
+    if (!(kvp >= 0.0 && kvp < HUGE_VAL) || !(stall >= 0.0) || !(tie >= 0.0 && tie < HUGE_VAL)) return nb::none();
     static PyObject *s_waiting = PyUnicode_InternFromString("waiting"),
                     *s_in_flight = PyUnicode_InternFromString("in_flight"),
                     *s_kv_usage = PyUnicode_InternFromString("kv_usage"),
@@ -2598,6 +2600,7 @@ nb::object ttft_rows(nb::handle prefix_o, nb::handle loads_o, nb::handle pods_o,
         double over = 0.0;
         double cost = q + un * (1.0 + kvp * usage) + stall * over;
         double qlen = waiting + (double)in_flight;
+        if (cost != cost) return nb::none();  // never for checked inputs; the sort below needs an order
         PyObject* args[14];
         nb::object total = nb::steal(PyFloat_FromDouble(-cost)), kv = nb::steal(PyFloat_FromDouble(1.0 - usage)),
                    qlen_o = nb::steal(PyFloat_FromDouble(qlen)), un_o = nb::steal(PyLong_FromDouble(std::nearbyint(un))),

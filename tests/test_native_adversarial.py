@@ -427,3 +427,17 @@ def test_runs_whose_holders_keep_their_pods_but_change_attributes(fill, base, ov
     _, got = nat.match_tokens(toks, pods, WEIGHTS, dp_ranks=ranks)
     assert got == want
     assert ranks == _exact_ranks(ref, keys, got)
+
+
+@pytest.mark.parametrize("attr", ["kv_pressure", "kv_stall", "tie_tokens"])
+@pytest.mark.parametrize("value", [math.inf, math.nan, -1.0, -0.0])
+def test_ttft_pick_with_parameters_changed_after_construction(attr, value):
+    """Parameters set past the constructor's checks: pick() still ranks as the Python loop (the
+    compiled pass declines what it cannot order the same way, e.g. NaN costs)."""
+    picker = TTFTPicker(tie_tokens=1.0)
+    setattr(picker, attr, value)
+    pods = [f"p{k:03d}" for k in range(100)]
+    loads = {q: LoadSnapshot(waiting=float(k % 7), kv_usage=0.0 if k % 2 else 0.5) for k, q in enumerate(pods)}
+    for n in (0, 100, 1000):
+        assert _outcome(lambda: picker.pick({}, loads, pods, prompt_tokens=n)) == _outcome(
+            lambda: picker._pick_py(pods, n, {}, loads))
