@@ -66,6 +66,9 @@ StoreObserver = Callable[[str, int, "str | None", BlockStored], None]
 
 log = logging.getLogger("kvevents.pool")
 
+#: Topics whose (pod, model) an EventPool remembers (then it starts over).
+_TOPIC_CACHE = 4096
+
 # the event classes the index's batch apply dispatches on (kvindex does not import kvevents)
 _EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
@@ -754,10 +757,7 @@ class _Shard:
 
 def _as_batch(seq: int, batch: EventBatch) -> Batch:
     """The sequencer's view of a decoded batch."""
-    return Batch(
-        seq, batch.ts, resets=any(type(e) is AllBlocksCleared for e in batch.events),
-        lossy=bool(batch.bad_events), body=batch,
-    )
+    return Batch(seq, batch.ts, AllBlocksCleared in map(type, batch.events), bool(batch.bad_events), batch)
 
 
 class EventPool:
@@ -831,6 +831,7 @@ class EventPool:
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
         self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
+        self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic -> parse_topic(topic)
         self._lock = threading.Lock()
         self._shards = [_Shard(self, i) for i in range(concurrency)]
         self._started = False
@@ -913,7 +914,7 @@ class EventPool:
         is counted (``topic_pod_mismatch``) and logged: the blocks are filed
         under the configured pod.
         """
-        pod, model = parse_topic(topic)
+        pod, model = self._topic(topic)
         if source.pod is not None:
             if pod is not None and pod != source.pod:
                 self.record_error(
@@ -924,13 +925,24 @@ class EventPool:
             pod = source.pod
         return (pod, model or source.model)
 
+    def _topic(self, topic: bytes) -> tuple[str | None, str | None]:
+        """:func:`parse_topic`, remembered per topic (a fleet has a few topics, each message repeats one)."""
+        hit = self._topics.get(topic) if type(topic) is bytes else None
+        if hit is None:
+            hit = parse_topic(topic)
+            if type(topic) is bytes:
+                if len(self._topics) >= _TOPIC_CACHE:
+                    self._topics = {}
+                self._topics[topic] = hit
+        return hit
+
     def submit(self, msg: RawMessage) -> bool:
         """Queue one message for its pod's shard; never blocks.
 
         Returns False when the shard queue is full: the message is dropped,
         counted, and the pod is marked for resync (see module doc).
         """
-        pod = msg.source.pod or parse_topic(msg.topic)[0]
+        pod = msg.source.pod or self._topic(msg.topic)[0]
         shard = self._shards[self.shard_of(pod or "")]
         if shard.offer(msg, pod):
             return True

@@ -135,8 +135,15 @@ def normalize_block_hash(h: int | bytes) -> int:
     raise PayloadError("hash", f"block hash of type {type(h).__name__}")
 
 
-def _hashes(hs: list[Any]) -> tuple[int, ...]:
-    """Normalise a decoded hash list (ints already within msgpack's range)."""
+def _hashes(hs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
+    """Normalise a decoded hash list or tuple (ints already within msgpack's range)."""
+    if type(hs) is tuple:
+        # msgspec decoded it as a tuple: kept as is when every hash is a non-negative int
+        try:
+            if not hs or min(hs) >= 0:
+                return hs
+        except TypeError:  # digests among them
+            return tuple([normalize_block_hash(h) for h in hs])
     try:
         # Fast path: all ints (msgpack ints are within [-2**63, 2**64)).
         return tuple([h & _MASK64 for h in hs])
@@ -195,10 +202,11 @@ _Rank = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _VllmStoredFields(msgspec.Struct, gc=False):
-    # Field order is the positional order of vLLM's BlockStored.
-    block_hashes: list[_Hash]
+    # Field order is the positional order of vLLM's BlockStored.  Arrays are decoded straight
+    # into the tuples the domain events hold (no copy afterwards).
+    block_hashes: tuple[_Hash, ...]
     parent_block_hash: _Hash | None
-    token_ids: list[_Token]
+    token_ids: tuple[_Token, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -213,7 +221,7 @@ class _VllmStoredFields(msgspec.Struct, gc=False):
 
 
 class _VllmRemovedFields(msgspec.Struct, gc=False):
-    block_hashes: list[_Hash]
+    block_hashes: tuple[_Hash, ...]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
@@ -251,7 +259,7 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
     return BlockStored(
         hashes,
         _parent(ev.parent_block_hash),
-        tuple(toks),
+        toks,
         ev.block_size,
         tier_from_medium(ev.medium),
         ev.lora_id,
