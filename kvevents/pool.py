@@ -486,7 +486,9 @@ class _Shard:
             self._error("engine", f"unknown engine format {engine!r}")
             return None
         try:
-            return decode_seq(seq_frame), decoder(payload)
+            # a well-formed frame read here (decode_seq for the others, which raises)
+            seq = int.from_bytes(seq_frame, "big") if type(seq_frame) is bytes and len(seq_frame) == 8 else decode_seq(seq_frame)
+            return seq, decoder(payload)
         except PayloadError as exc:
             self._error(exc.kind, f"bad payload ({exc.kind}): {exc}")
             return None
@@ -534,7 +536,7 @@ class _Shard:
         c.events += len(batch.events)
         st.batches += 1
         apply = getattr(index, "apply_events", None)
-        observers = self.pool.observers_of(pod, rank, model)
+        observers = self.pool.observers_of(pod, rank, model) if self.pool.store_observers else ()
         if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
             r = ApplyResult()
@@ -902,6 +904,8 @@ class EventPool:
 
     def shard_of(self, pod: str) -> int:
         """Stable shard number of a pod id (xxh3-64 of its UTF-8 bytes, mod N)."""
+        if len(self._shards) == 1:
+            return 0
         return xxhash.xxh3_64_intdigest(pod.encode()) % len(self._shards)
 
     def route(self, source: Source, topic: bytes) -> tuple[str | None, str | None]:

@@ -252,19 +252,34 @@ class _VllmArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", g
     pass
 
 
+#: tier_from_medium of the usual mediums, looked up without a call
+_TIER_OF: dict[str | None, str] = {m: tier_from_medium(m) for m in (None, "GPU", "CPU", "STORAGE", "gpu", "cpu")}
+
+
 def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
+    # the checks of _hashes, _check_tokens, _parent, tier_from_medium and _extra_keys, with their
+    # common cases inline (one event per block batch on the ingest path)
     hashes = _hashes(ev.block_hashes)
     toks = ev.token_ids
-    _check_tokens(hashes, len(toks), ev.block_size)
+    bs = ev.block_size
+    if bs < 1 or (toks and len(toks) != bs * len(hashes)):
+        _check_tokens(hashes, len(toks), bs)
+    parent = ev.parent_block_hash
+    if parent is not None and (type(parent) is not int or parent < 0):
+        parent = normalize_block_hash(parent)
+    tier = _TIER_OF.get(ev.medium)
+    if tier is None:
+        tier = tier_from_medium(ev.medium)
+    ek = ev.extra_keys
     return BlockStored(
         hashes,
-        _parent(ev.parent_block_hash),
+        parent,
         toks,
-        ev.block_size,
-        tier_from_medium(ev.medium),
+        bs,
+        tier,
         ev.lora_id,
         ev.lora_name,
-        _extra_keys(ev.extra_keys, len(hashes)),
+        None if ek is None else _extra_keys(ek, len(hashes)),
         ev.group_idx,
         ev.kv_cache_spec_kind,
         ev.kv_cache_spec_sliding_window,
@@ -275,9 +290,10 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
 
 
 def _vllm_removed(ev: _VllmRemovedFields) -> BlockRemoved:
+    tier = _TIER_OF.get(ev.medium)
     return BlockRemoved(
         _hashes(ev.block_hashes),
-        tier_from_medium(ev.medium),
+        tier_from_medium(ev.medium) if tier is None else tier,
         ev.group_idx,
         ev.locality,
         ev.ownership,
