@@ -321,6 +321,7 @@ class Sequencer:
         out.append(Clear(why))
         self._check_due = False
         self.last = self.last_ts = None
+        self.suspect = False  # nothing applied is left for a reconnect to check
         self._replayed.clear()
         self._recent.clear()
         self._replay_max = -1
@@ -867,9 +868,13 @@ class Sequencer:
             self.lost = True  # what the engine holds now is unknown
             self._set_complete(out, "reconnect without replay")
             return out
+        if self.last is None:
+            # cleared since the drop (a restart was found): nothing applied is left to check, and
+            # what comes next is checked as a fresh start
+            return out
         self._op = "confirm-reconnect"
         out.append(Count("replay_requests"))
-        out.append(Confirm(self.last))  # type: ignore[arg-type]
+        out.append(Confirm(self.last))
         return out
 
     def bootstrap(self) -> list[Action]:

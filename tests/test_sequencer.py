@@ -245,6 +245,29 @@ def test_a_failed_reconnect_check_is_retried_and_nothing_applies_before_it() -> 
     assert s.replay_end(True)[-1] == Replay(0)
 
 
+def test_a_reconnect_after_the_stream_was_cleared_asks_nothing_and_a_fresh_start_follows() -> None:
+    """Disconnected while a failed resync waits; its retry finds the engine's buffer empty (a new
+    process that has published nothing yet): the stream is cleared.  The reconnect then has no
+    applied batch left to check (it used to ask the endpoint about seq None); the new process's
+    first message starts the stream from its buffer.  Found by the sequencer world."""
+    s = started(1)
+    s.disconnected()
+    assert s.reconnected()[-1] == Confirm(0)
+    assert s.confirmed(True)[-1] == Replay(0)
+    s.replay_end(False)
+    assert s.retry_pending
+    s.disconnected()
+    assert s.retry()[-1] == Replay(0)
+    out = s.replay_end(True)  # nothing replayed: our batch 0 is gone
+    assert counts(out)["restarts"] == 1 and out[-1] == Replay(0) and s.last is None
+    assert s.replay_end(True) == []
+    assert s.reconnected() == []
+    assert s.live(b(0, ts=900.0))[-1] == Replay(0)
+    s.replayed(b(0, ts=900.0))
+    s.replay_end(True)
+    assert s.complete and s.last == 0 and s.last_ts == 900.0
+
+
 # ---------------------------------------------------------------- unnoticed restarts while the endpoint is down
 
 
