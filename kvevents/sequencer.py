@@ -55,7 +55,10 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   buffer still holds it and the retry brings it in order.  When the retries
   run out the failure is handled as before (a candidate the next message must
   continue; ``gaps_unrecovered``), and later failures are not retried until
-  the endpoint answers a replay or check again.
+  the endpoint answers a replay or check again.  A message applied past a
+  possible loss meanwhile makes the stream inexact for good (until a reset
+  or a rebuild from seq 0): a restart whose first batches were lost is not
+  seen by a later replay from our last batch.
 - A replay the caller cut at its bound (``replay_end(cut=True)``) after it
   applied something continues at once from the first missing seq, the
   stream incomplete meanwhile (``replay_cuts``); one that applied nothing is
@@ -501,6 +504,11 @@ class Sequencer:
                 out.append(Count("resyncs"))
                 self._pending = b
                 return self._start_replay(out, "resync", self.last + 1)
+            if self.lost and self._gave_up:
+                # applied past a possible loss nobody could check (the endpoint was given up): a
+                # restart whose first batches were lost goes unseen, and a later replay from our
+                # last batch cannot tell, so the stream no longer claims to be exact
+                self.exact = False
             self._apply(out, b)
             self._forget_passed(b.seq)
             self._set_complete(out, "in sequence")
