@@ -215,7 +215,8 @@ def bench_ingest(n_events: int, blocks: int, pods: int, runs: int) -> dict[str, 
         res["dynamo"].append(n_blocks / (time.process_time() - t0))
     return {"ours_blocks_per_cpu_s": max(res["ours"]), "dynamo_blocks_per_cpu_s": max(res["dynamo"]),
             "ours_pool_blocks_per_cpu_s": max(res["pool"]),
-            "ours_median": statistics.median(res["ours"]), "dynamo_median": statistics.median(res["dynamo"])}
+            "ours_median": statistics.median(res["ours"]), "dynamo_median": statistics.median(res["dynamo"]),
+            "ours_pool_median": statistics.median(res["pool"])}
 
 
 def bench_under_ingest(reps: int, pods: int = 8) -> dict[str, float]:
@@ -345,7 +346,10 @@ def print_ingest(ingest: dict) -> None:
           f"Dynamo (apply_event JSON) {ingest['dynamo_blocks_per_cpu_s']:,.0f}, "
           f"ratio {ingest['ours_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x; "
           f"ours through an EventPool shard {ingest['ours_pool_blocks_per_cpu_s']:,.0f} "
-          f"({ingest['ours_pool_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x)")
+          f"({ingest['ours_pool_blocks_per_cpu_s'] / ingest['dynamo_blocks_per_cpu_s']:.2f}x); "
+          f"medians: ours {ingest['ours_median']:,.0f}, Dynamo {ingest['dynamo_median']:,.0f} "
+          f"({ingest['ours_median'] / ingest['dynamo_median']:.2f}x), pool {ingest['ours_pool_median']:,.0f} "
+          f"({ingest['ours_pool_median'] / ingest['dynamo_median']:.2f}x)")
 
 
 def print_memory(mem: dict, entries: int) -> None:

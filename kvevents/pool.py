@@ -66,6 +66,9 @@ StoreObserver = Callable[[str, int, "str | None", BlockStored], None]
 
 log = logging.getLogger("kvevents.pool")
 
+#: Topics whose (pod, model) an EventPool remembers (then it starts over).
+_TOPIC_CACHE = 4096
+
 # the event classes the index's batch apply dispatches on (kvindex does not import kvevents)
 _EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
@@ -483,7 +486,9 @@ class _Shard:
             self._error("engine", f"unknown engine format {engine!r}")
             return None
         try:
-            return decode_seq(seq_frame), decoder(payload)
+            # a well-formed frame read here (decode_seq for the others, which raises)
+            seq = int.from_bytes(seq_frame, "big") if type(seq_frame) is bytes and len(seq_frame) == 8 else decode_seq(seq_frame)
+            return seq, decoder(payload)
         except PayloadError as exc:
             self._error(exc.kind, f"bad payload ({exc.kind}): {exc}")
             return None
@@ -531,7 +536,7 @@ class _Shard:
         c.events += len(batch.events)
         st.batches += 1
         apply = getattr(index, "apply_events", None)
-        observers = self.pool.observers_of(pod, rank, model)
+        observers = self.pool.observers_of(pod, rank, model) if self.pool.store_observers else ()
         if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
             r = ApplyResult()
@@ -754,10 +759,7 @@ class _Shard:
 
 def _as_batch(seq: int, batch: EventBatch) -> Batch:
     """The sequencer's view of a decoded batch."""
-    return Batch(
-        seq, batch.ts, resets=any(type(e) is AllBlocksCleared for e in batch.events),
-        lossy=bool(batch.bad_events), body=batch,
-    )
+    return Batch(seq, batch.ts, AllBlocksCleared in map(type, batch.events), bool(batch.bad_events), batch)
 
 
 class EventPool:
@@ -831,6 +833,7 @@ class EventPool:
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
         self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
+        self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic -> parse_topic(topic)
         self._lock = threading.Lock()
         self._shards = [_Shard(self, i) for i in range(concurrency)]
         self._started = False
@@ -901,6 +904,8 @@ class EventPool:
 
     def shard_of(self, pod: str) -> int:
         """Stable shard number of a pod id (xxh3-64 of its UTF-8 bytes, mod N)."""
+        if len(self._shards) == 1:
+            return 0
         return xxhash.xxh3_64_intdigest(pod.encode()) % len(self._shards)
 
     def route(self, source: Source, topic: bytes) -> tuple[str | None, str | None]:
@@ -913,7 +918,7 @@ class EventPool:
         is counted (``topic_pod_mismatch``) and logged: the blocks are filed
         under the configured pod.
         """
-        pod, model = parse_topic(topic)
+        pod, model = self._topic(topic)
         if source.pod is not None:
             if pod is not None and pod != source.pod:
                 self.record_error(
@@ -924,13 +929,24 @@ class EventPool:
             pod = source.pod
         return (pod, model or source.model)
 
+    def _topic(self, topic: bytes) -> tuple[str | None, str | None]:
+        """:func:`parse_topic`, remembered per topic (a fleet has a few topics, each message repeats one)."""
+        hit = self._topics.get(topic) if type(topic) is bytes else None
+        if hit is None:
+            hit = parse_topic(topic)
+            if type(topic) is bytes:
+                if len(self._topics) >= _TOPIC_CACHE:
+                    self._topics = {}
+                self._topics[topic] = hit
+        return hit
+
     def submit(self, msg: RawMessage) -> bool:
         """Queue one message for its pod's shard; never blocks.
 
         Returns False when the shard queue is full: the message is dropped,
         counted, and the pod is marked for resync (see module doc).
         """
-        pod = msg.source.pod or parse_topic(msg.topic)[0]
+        pod = msg.source.pod or self._topic(msg.topic)[0]
         shard = self._shards[self.shard_of(pod or "")]
         if shard.offer(msg, pod):
             return True

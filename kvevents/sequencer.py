@@ -55,7 +55,10 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
   buffer still holds it and the retry brings it in order.  When the retries
   run out the failure is handled as before (a candidate the next message must
   continue; ``gaps_unrecovered``), and later failures are not retried until
-  the endpoint answers a replay or check again.
+  the endpoint answers a replay or check again.  A message applied past a
+  possible loss meanwhile makes the stream inexact for good (until a reset
+  or a rebuild from seq 0): a restart whose first batches were lost is not
+  seen by a later replay from our last batch.
 - A replay the caller cut at its bound (``replay_end(cut=True)``) after it
   applied something continues at once from the first missing seq, the
   stream incomplete meanwhile (``replay_cuts``); one that applied nothing is
@@ -321,6 +324,7 @@ class Sequencer:
         out.append(Clear(why))
         self._check_due = False
         self.last = self.last_ts = None
+        self.suspect = False  # nothing applied is left for a reconnect to check
         self._replayed.clear()
         self._recent.clear()
         self._replay_max = -1
@@ -500,6 +504,11 @@ class Sequencer:
                 out.append(Count("resyncs"))
                 self._pending = b
                 return self._start_replay(out, "resync", self.last + 1)
+            if self.lost and self._gave_up:
+                # applied past a possible loss nobody could check (the endpoint was given up): a
+                # restart whose first batches were lost goes unseen, and a later replay from our
+                # last batch cannot tell, so the stream no longer claims to be exact
+                self.exact = False
             self._apply(out, b)
             self._forget_passed(b.seq)
             self._set_complete(out, "in sequence")
@@ -867,9 +876,13 @@ class Sequencer:
             self.lost = True  # what the engine holds now is unknown
             self._set_complete(out, "reconnect without replay")
             return out
+        if self.last is None:
+            # cleared since the drop (a restart was found): nothing applied is left to check, and
+            # what comes next is checked as a fresh start
+            return out
         self._op = "confirm-reconnect"
         out.append(Count("replay_requests"))
-        out.append(Confirm(self.last))  # type: ignore[arg-type]
+        out.append(Confirm(self.last))
         return out
 
     def bootstrap(self) -> list[Action]:

@@ -135,8 +135,15 @@ def normalize_block_hash(h: int | bytes) -> int:
     raise PayloadError("hash", f"block hash of type {type(h).__name__}")
 
 
-def _hashes(hs: list[Any]) -> tuple[int, ...]:
-    """Normalise a decoded hash list (ints already within msgpack's range)."""
+def _hashes(hs: list[Any] | tuple[Any, ...]) -> tuple[int, ...]:
+    """Normalise a decoded hash list or tuple (ints already within msgpack's range)."""
+    if type(hs) is tuple:
+        # msgspec decoded it as a tuple: kept as is when every hash is a non-negative int
+        try:
+            if not hs or min(hs) >= 0:
+                return hs
+        except TypeError:  # digests among them
+            return tuple([normalize_block_hash(h) for h in hs])
     try:
         # Fast path: all ints (msgpack ints are within [-2**63, 2**64)).
         return tuple([h & _MASK64 for h in hs])
@@ -195,10 +202,11 @@ _Rank = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _VllmStoredFields(msgspec.Struct, gc=False):
-    # Field order is the positional order of vLLM's BlockStored.
-    block_hashes: list[_Hash]
+    # Field order is the positional order of vLLM's BlockStored.  Arrays are decoded straight
+    # into the tuples the domain events hold (no copy afterwards).
+    block_hashes: tuple[_Hash, ...]
     parent_block_hash: _Hash | None
-    token_ids: list[_Token]
+    token_ids: tuple[_Token, ...]
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -213,7 +221,7 @@ class _VllmStoredFields(msgspec.Struct, gc=False):
 
 
 class _VllmRemovedFields(msgspec.Struct, gc=False):
-    block_hashes: list[_Hash]
+    block_hashes: tuple[_Hash, ...]
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
@@ -244,19 +252,34 @@ class _VllmArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", g
     pass
 
 
+#: tier_from_medium of the usual mediums, looked up without a call
+_TIER_OF: dict[str | None, str] = {m: tier_from_medium(m) for m in (None, "GPU", "CPU", "STORAGE", "gpu", "cpu")}
+
+
 def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
+    # the checks of _hashes, _check_tokens, _parent, tier_from_medium and _extra_keys, with their
+    # common cases inline (one event per block batch on the ingest path)
     hashes = _hashes(ev.block_hashes)
     toks = ev.token_ids
-    _check_tokens(hashes, len(toks), ev.block_size)
+    bs = ev.block_size
+    if bs < 1 or (toks and len(toks) != bs * len(hashes)):
+        _check_tokens(hashes, len(toks), bs)
+    parent = ev.parent_block_hash
+    if parent is not None and (type(parent) is not int or parent < 0):
+        parent = normalize_block_hash(parent)
+    tier = _TIER_OF.get(ev.medium)
+    if tier is None:
+        tier = tier_from_medium(ev.medium)
+    ek = ev.extra_keys
     return BlockStored(
         hashes,
-        _parent(ev.parent_block_hash),
-        tuple(toks),
-        ev.block_size,
-        tier_from_medium(ev.medium),
+        parent,
+        toks,
+        bs,
+        tier,
         ev.lora_id,
         ev.lora_name,
-        _extra_keys(ev.extra_keys, len(hashes)),
+        None if ek is None else _extra_keys(ek, len(hashes)),
         ev.group_idx,
         ev.kv_cache_spec_kind,
         ev.kv_cache_spec_sliding_window,
@@ -267,9 +290,10 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
 
 
 def _vllm_removed(ev: _VllmRemovedFields) -> BlockRemoved:
+    tier = _TIER_OF.get(ev.medium)
     return BlockRemoved(
         _hashes(ev.block_hashes),
-        tier_from_medium(ev.medium),
+        tier_from_medium(ev.medium) if tier is None else tier,
         ev.group_idx,
         ev.locality,
         ev.ownership,

@@ -123,6 +123,7 @@ class NativeKVBlockIndex(SideTables):
         self._models: set[str | None] = set()
         # model name -> the core's 16-bit model id (0 = None); never reused
         self._model_ids: dict[str | None, int] = {None: 0}
+        self._wscope: dict[str | None, tuple[int, int]] = {}  # model -> (model id, scope root), for apply_events
         self._init_side_tables()  # orphans, speculative and held entries, as the reference
         # counters kept here; the core keeps evictions, stored/removed blocks, unknown removals/offloads
         self._c = dict.fromkeys(
@@ -207,37 +208,46 @@ class NativeKVBlockIndex(SideTables):
         speculative entries exist (they live in Python), events are applied
         one by one.
         """
-        rank = _rank(dp_rank)
+        rank = dp_rank if type(dp_rank) is int and -(2**31) <= dp_rank < 2**31 else _rank(dp_rank)
         r = ApplyResult()
         n = len(events)
         i = 0
         with self._lock:
-            mid = self._mid(model)
-            root = 0 if self._compat else self.token_processor._root(model, None)
-            K = self._K if not self._compat else self._ones_k
+            # (model id, scope root) per model: both fixed once assigned
+            w = self._wscope.get(model)
+            if w is None:
+                w = self._wscope[model] = (self._mid(model), 0 if self._compat else self.token_processor._root(model, None))
+            mid, root = w
+            K = self._ones_k if self._compat else self._K
             A = 0 if self._compat else self._A
             stored_t, removed_t, cleared_t = kinds
+            core = self._core
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
                 (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = (
-                    self._core.apply_events(
-                        pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A,
-                    )
+                    core.apply_events(pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A)
                 )
                 if st_bits:
-                    _add_by_bit(r.stored_by_tier, st_bits)
-                if rm_bits:
-                    _add_by_bit(r.removed_by_tier, rm_bits)
-                if st_ev and model not in self._models:
-                    self._models.add(model)
-                r.stored_blocks += st_blocks
-                r.removed_blocks += rm_blocks
-                r.clears += clears
-                c = self._c
-                c["removed_blocks"] += hits
-                c["unknown_removals"] += misses
-                c["clears"] += clears_n
+                    if len(st_bits) == 1:  # GPU only (bit 0), the usual case
+                        by = r.stored_by_tier
+                        by[GPU] = by.get(GPU, 0) + st_bits[0]
+                    else:
+                        _add_by_bit(r.stored_by_tier, st_bits)
+                if st_ev:
+                    r.stored_blocks += st_blocks
+                    if model not in self._models:
+                        self._models.add(model)
+                if rm_blocks or _rm_ev:
+                    if rm_bits:
+                        _add_by_bit(r.removed_by_tier, rm_bits)
+                    r.removed_blocks += rm_blocks
+                    c = self._c
+                    c["removed_blocks"] += hits
+                    c["unknown_removals"] += misses
+                if clears:
+                    r.clears += clears
+                    self._c["clears"] += clears_n
                 if nxt >= n:
                     break
                 apply_each(self, pod, rank, events[nxt : nxt + 1], model, kinds, 0, r)

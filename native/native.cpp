@@ -1175,9 +1175,10 @@ class IndexCore {
                     chain_into(state, x.toks.data, nb_, K.data, bs, A, nullptr, rks.data());
                     keys = rks.data();
                 }
+                prefetch_put(mid, x.eks.data, keys, nb_);
                 uint16_t ps = pod_slot(pod);
-                u64 sid = stream_id(ps, mid, rank);
-                for (size_t i = 0; i < nb_; ++i) put(ps, rank, mid, sid, x.eks.data[i], keys[i], x.bit);
+                Stream& st = stream_mk(stream_id(ps, mid, rank));
+                for (size_t i = 0; i < nb_; ++i) put_s(st, ps, rank, mid, x.eks.data[i], keys[i], x.bit);
                 finish_write(ps);
                 ++st_ev;
                 st_blocks += nb_;
@@ -1188,6 +1189,22 @@ class IndexCore {
             while (!v->empty() && v->back() == 0) v->pop_back();
         return {start + applied, st_ev, st_blocks, rm_ev, rm_blocks, hits, misses, clears, clears_n,
                 std::move(st_bits), std::move(rm_bits)};
+    }
+
+    // Before an event's puts: start loading what they will read first, the home slots of its
+    // request keys (level 1) and engine keys (level 2), then the records those slots point to,
+    // so that the cache misses of the event's blocks overlap instead of coming one by one.
+    void prefetch_put(uint16_t mid, const u64* eks, const u64* rks, size_t n) {
+        Engine* em = compat_ ? nullptr : engine_map(mid);
+        for (size_t i = 0; i < n; ++i) {
+            rk_map_.prefetch(rks[i]);
+            if (em) em->t.prefetch(eks[i]);
+        }
+        for (size_t i = 0; i < n; ++i) {
+            u32 b = rk_map_.at_home(rks[i]);
+            if (b != NIL) rk_map_.key().prefetch(b);
+            if (em && (b = em->t.at_home(eks[i])) != NIL) em->t.key().prefetch(b);
+        }
     }
 
     // Makes `rk` the most recently used key (if held).
@@ -2265,9 +2282,10 @@ class IndexCore {
 
     // Map ek -> rk in stream st (and level 2); hd: the (pod, rank) holder of block bi, whose
     // engine key is ek, which carries the entries when it can.
-    void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd) {
-        u64 cur;
-        bool has = s_find(st, ek, cur);
+    // `absent`: the caller knows st has no entry for ek (skips the lookup).
+    void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent = false) {
+        u64 cur = 0;
+        bool has = !absent && s_find(st, ek, cur);
         if (!has || cur != rk) {
             if (has) s_erase_if(st, ek, cur);
             if (!compat_) {
@@ -2310,11 +2328,18 @@ class IndexCore {
 
     // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
     void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
-        if (Stream* stp = stream(sid)) {
-            u64 old_rk;
-            if (s_find(*stp, ek, old_rk) && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
-        }
-        Stream& st = stream_mk(sid);
+        put_s(stream_mk(sid), ps, rank, mid, ek, rk, bit);
+    }
+
+    // put() into stream st = (ps, mid, rank), which the caller looked up once for a whole event
+    // (streams_ only loses elements in clear and at the end of a write call, so st stays valid).
+    // The stream's entry for ek is looked up once: when absent, nothing below can add one before
+    // link() (drop_copy is not called, evictions and the holder's engine-key change only remove
+    // entries of other keys), so link() skips its own lookup.
+    void put_s(Stream& st, uint16_t ps, int32_t rank, uint16_t mid, u64 ek, u64 rk, u64 bit) {
+        u64 old_rk;
+        bool absent = !s_find(st, ek, old_rk);
+        if (!absent && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
         Found bip = rk_map_.find_ptr(rk);
         u32 bi;
         if (!bip) {
@@ -2342,7 +2367,7 @@ class IndexCore {
                 hd.ek = ek;
             }
         }
-        link(mid, st, ek, rk, bi, b.hs[h]);
+        link(mid, st, ek, rk, bi, b.hs[h], absent);
     }
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvevents.pool import EventPool, RawMessage, Source
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from kvevents.pool import _TOPIC_CACHE, EventPool, RawMessage, Source
+from kvevents.wire import parse_topic
 from kvindex.index import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.oracle import batch_payload, seq_frame, stored_event
@@ -39,3 +43,33 @@ def test_matching_topic_is_silent():
     index, pool = run(Source(pod="pod-a", model="other"), b"kv@pod-a@m")
     assert index.pods() == {"pod-a"} and pool.stats().decode_errors == 0
     assert index.prefix_match(index.token_processor.request_keys(TOKENS, model="m"))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(max_size=12),
+            st.builds(lambda p, m, meta: b"kv@" + p + b"@" + m + meta, st.binary(max_size=6), st.binary(max_size=6),
+                      st.sampled_from([b"", b"\x00sgl-kv-epoch=3"])),
+        ),
+        max_size=30,
+    ),
+    st.sampled_from([None, "cfg-pod"]),
+)
+def test_remembered_topics_route_as_parse_topic(topics: list[bytes], pod: str | None) -> None:
+    """route() and submit()'s pod read each topic once and remember it: the answers stay parse_topic's."""
+    pool = EventPool(KVBlockIndex(TokenProcessor(block_size=16)), concurrency=2)
+    source = Source(pod=pod, model="cfg-model")
+    for _ in range(2):  # the second pass answers from the remembered topics
+        for t in topics:
+            tp, tm = parse_topic(t)
+            assert pool.route(source, t) == ((pod if pod is not None else tp), tm or "cfg-model")
+            assert pool._topic(bytearray(t)) == (tp, tm)  # other bytes-likes are parsed, not remembered
+
+
+def test_remembered_topics_are_bounded() -> None:
+    pool = EventPool(KVBlockIndex(TokenProcessor(block_size=16)), concurrency=1)
+    for i in range(_TOPIC_CACHE + 10):
+        assert pool._topic(f"kv@p{i}@m".encode()) == (f"p{i}", "m")
+    assert 0 < len(pool._topics) <= _TOPIC_CACHE

@@ -245,6 +245,55 @@ def test_a_failed_reconnect_check_is_retried_and_nothing_applies_before_it() -> 
     assert s.replay_end(True)[-1] == Replay(0)
 
 
+def test_a_reconnect_after_the_stream_was_cleared_asks_nothing_and_a_fresh_start_follows() -> None:
+    """Disconnected while a failed resync waits; its retry finds the engine's buffer empty (a new
+    process that has published nothing yet): the stream is cleared.  The reconnect then has no
+    applied batch left to check (it used to ask the endpoint about seq None); the new process's
+    first message starts the stream from its buffer.  Found by the sequencer world."""
+    s = started(1)
+    s.disconnected()
+    assert s.reconnected()[-1] == Confirm(0)
+    assert s.confirmed(True)[-1] == Replay(0)
+    s.replay_end(False)
+    assert s.retry_pending
+    s.disconnected()
+    assert s.retry()[-1] == Replay(0)
+    out = s.replay_end(True)  # nothing replayed: our batch 0 is gone
+    assert counts(out)["restarts"] == 1 and out[-1] == Replay(0) and s.last is None
+    assert s.replay_end(True) == []
+    assert s.reconnected() == []
+    assert s.live(b(0, ts=900.0))[-1] == Replay(0)
+    s.replayed(b(0, ts=900.0))
+    s.replay_end(True)
+    assert s.complete and s.last == 0 and s.last_ts == 900.0
+
+
+def test_a_batch_applied_past_a_loss_after_giving_up_keeps_the_stream_incomplete_once_the_endpoint_answers() -> None:
+    """The retries ran out after a drop; a restarted engine's seq 0 came while the endpoint was
+    down and was discarded by a second drop; its seq 1 continues our (old) seq 0 and is applied
+    unchecked.  When the endpoint answers again, a replay from our last batch finds that batch
+    (the new process's seq 1) and cannot see that our seq 0 was another process's: the stream
+    must not claim to be complete.  Found by the sequencer world."""
+    s = started(1, max_retries=1)
+    s.dropped()
+    for _ in range(2):  # the reconnect checks fail: the second one spends the retries
+        s.disconnected()
+        assert s.reconnected()[-1] == Confirm(0)
+        s.confirmed(None)
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)  # the new process's seq 0: cannot be checked
+    s.confirmed(None)
+    s.dropped()  # discards it
+    assert s.retry()[-1] == Replay(0)
+    s.replay_end(False)
+    assert applied(s.live(b(1, ts=501.0))) == [1]  # the new process's seq 1, taken as is
+    s.disconnected()
+    assert s.reconnected()[-1] == Confirm(1)
+    assert s.confirmed(True)[-1] == Replay(1)  # the endpoint answers again
+    s.replayed(b(1, ts=501.0))
+    s.replay_end(True)
+    assert not s.complete
+
+
 # ---------------------------------------------------------------- unnoticed restarts while the endpoint is down
 
 
