@@ -779,9 +779,10 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     instead of asking the planner again (they do not depend on the costs: a
     conversation's next turn is only sent after its previous one finished),
     which the calibration uses to time many cost models quickly.  ``trace``: if given, filled with
-    ``steps[engine] = [(start, end), ...]`` (s), ``idle[engine]``: the times it found no work of its own, and ``loads = [(engine, arrival, read, admitted), ...]``: every
-    step each engine ran and every connector load with ``aligned_loads`` (when it reached the engine, its
-    READ seconds, when it joined the waiting queue), for checking the step rule against a plain oracle."""
+    ``steps[engine] = [(start, end), ...]`` (s; every step each engine ran), ``idle[engine]`` (the times it
+    found no work of its own) and ``loads = [(engine, arrival, read, admitted), ...]`` (every connector load
+    with ``aligned_loads``: when it reached the engine, its READ seconds, when it joined the waiting queue),
+    for checking the step rule against a plain oracle."""
     if policy not in ("off", "on", "ours"):
         raise ValueError(f"unknown policy {policy!r}")
     if clients.num_clients < 1 or clients.max_active_conversations < clients.num_clients:
