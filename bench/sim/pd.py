@@ -771,8 +771,12 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     with chunked prefill, ``max_tokens`` 1) -> D (load of what D lacks, then
     one step that samples the first token; TTFT ends there) -> D decodes the
     answer (``structure.output_tokens`` steps) -> the client sends its next
-    request.  Loads run beside the engine's steps (vLLM's asynchronous
-    ``WAITING_FOR_REMOTE_KVS``), one NIXL READ each, as :meth:`PDModel.xfer`.
+    request.  Loads are one NIXL READ each (:meth:`PDModel.xfer`) while the
+    engine steps on (vLLM's ``WAITING_FOR_REMOTE_KVS``); with
+    ``clients.aligned_loads`` (default) the READ starts with the step that
+    schedules the request and the request joins the queue as that engine's
+    step polls report it (see :class:`BenchClients`), else the READ starts
+    on arrival and the request joins at the first step boundary after it.
     Which turns pull and how much is decided by the connector's planner over
     the library's index, as in :meth:`PDSim.turn`.  ``replay``: the records of
     an earlier run of the same point and policy; their decisions are reused
