@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from kvindex import _native
 from scorer.load import LoadSnapshot
 from scorer.prefix import PrefixScore
 
@@ -586,6 +587,19 @@ class TTFTPicker:
         """
         pods = _unique_candidates(candidates)
         n_prompt = _prompt_tokens(prompt_tokens, prefix, pods)
+        kvp, stall, reserve = self.kv_pressure, self.kv_stall, self.decode_reserve
+        # the compiled pass: the same rows and order for the common inputs (exact floats and ints
+        # in range, dicts, str pod ids, no kv_stall); None sends anything else through the loop below
+        ranked = _native.ttft_rows(prefix, loads, pods, n_prompt, kvp, stall, reserve, self.tie_tokens, PodInputs)
+        if ranked is not None:
+            win = ranked[0]
+            return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, tie_tokens=self.tie_tokens)
+        return self._pick_py(pods, n_prompt, prefix, loads)
+
+    def _pick_py(
+        self, pods: list[str], n_prompt: int, prefix: Mapping[str, PrefixScore], loads: Mapping[str, LoadSnapshot]
+    ) -> Choice:
+        """The per-candidate loop of :meth:`pick` for any inputs (the reference of the compiled pass)."""
         hit_cap = float(max(0, n_prompt - 1))
         kvp, stall, reserve = self.kv_pressure, self.kv_stall, self.decode_reserve
         pget, lget = prefix.get, loads.get

@@ -681,3 +681,47 @@ def test_readers_never_see_half_of_an_orphan_release():
             t.join()
     assert not errors, errors
     ix.check()
+
+
+# -- the walk's runs of blocks with the same holders
+
+_RUN_PODS = ["a", "b", "c", "d", "e", "f"]
+_RUN_PATH = tuple(range(500, 500 + BS * 40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "store", "store", "remove"]), st.sampled_from(_RUN_PODS),
+                  st.sampled_from(RANKS), st.sampled_from(TIERS), st.integers(0, 40), st.integers(1, 40)),
+        min_size=1, max_size=14,
+    ),
+    pods=st.none() | st.lists(st.sampled_from(_RUN_PODS + ["zz"]), min_size=1, max_size=5),
+    upto=st.integers(1, 40),
+)
+def test_summary_over_shared_prefixes_equals_the_reference(ops, pods, upto):
+    """Many pods holding prefixes of one path, in drawn orders, ranks and tiers, with blocks
+    removed from the middle: runs of blocks whose holders repeat, broken where a pod's match ends,
+    a tier or rank changes or a holder is added or dropped.  The compiled summary (and match_tokens'
+    DP ranks) equal the reference's prefix match summarised (and best_dp_rank)."""
+    from tests.oracle import engine_hash
+
+    eks = [engine_hash(_RUN_PATH[: (i + 1) * BS]) for i in range(40)]
+    ref, nat = KVBlockIndex(U.tp), NativeKVBlockIndex(U.tp)
+    for kind, pod, rank, tier, start, n in ops:
+        for x in (ref, nat):
+            if kind == "store":  # a prefix of the path: blocks [0, n)
+                x.block_stored(pod, rank, eks[:n], None, list(_RUN_PATH[: n * BS]), tier, block_size=BS)
+            else:  # one block dropped from the middle of a run
+                x.block_removed(pod, rank, [eks[min(start, 39)]], tier)
+    weights = [1.0, 0.75, 0.5, 0.25]
+    toks = list(_RUN_PATH[: upto * BS])
+    keys = [int(k) for k in U.tp.request_keys(toks)]
+    want = _summarise(ref.prefix_match(keys, pods), weights)
+    assert nat.prefix_summary(keys, pods, weights) == want
+    ranks: dict = {}
+    got_keys, got = nat.match_tokens(toks, pods, weights, dp_ranks=ranks)
+    assert got_keys.tolist() == keys and got == want
+    assert set(ranks) <= set(got)
+    for pod, rank in ranks.items():
+        assert rank == ref.best_dp_rank(pod, keys[: got[pod][0]])

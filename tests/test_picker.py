@@ -336,3 +336,101 @@ def test_explanation_is_lazy_and_stable(case):
         assert list(e) == [r.pod for r in c.rows] and set(e) == set(candidates)
         back = msgspec.json.decode(msgspec.json.encode(c), type=Choice)
         assert back == c and back.explanation == e and back.explain() == c.explain()
+
+
+# -- the compiled pass of TTFTPicker.pick against its Python loop (the reference)
+
+_odd_floats = st.sampled_from([-0.0, -1.0, math.inf, -math.inf, math.nan, 1.5, 2.0**60]) | st.floats()
+_fields = st.one_of(
+    st.floats(0.0, 1.0),
+    st.floats(0.0, 1e6, allow_subnormal=False),
+    st.sampled_from([0.0, 0.5, 1.0, 2.5, 3.5]),
+    st.integers(-3, 10),
+    st.booleans(),
+    _odd_floats,
+)
+
+
+def _plain_float(x):
+    return st.floats(0.0, x, allow_subnormal=False) | st.sampled_from([0.0, 0.5, 1.0])
+
+
+@st.composite
+def ttft_native_cases(draw, plain: bool):
+    """Picker inputs; ``plain`` draws only exact floats/ints in range (the compiled pass's domain),
+    otherwise any of ints, bools, NaN, infinities, negatives and values past 2**53."""
+    candidates = draw(st.lists(st.sampled_from(PODS), min_size=1, max_size=8, unique=True))
+    prompt = draw(st.integers(0, 5000) | st.sampled_from([0, 1, 2, 16, 17]))
+    prefix = {}
+    for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True)):
+        mb = draw(st.integers(0, 400))
+        mt = draw(st.sampled_from([16 * mb, 16 * mb + 1, 0]))
+        if plain:
+            wb, cov = draw(_plain_float(1e4)), draw(st.floats(0.0, 1.0))
+        else:
+            wb, cov = draw(_fields), draw(_fields)
+            mb = draw(st.just(mb) | st.sampled_from([2**60, -1, True]))
+        prefix[p] = PrefixScore(pod=p, matched_blocks=mb, matched_tokens=mt, weighted_blocks=wb, coverage=cov)
+    loads = {}
+    for p in draw(st.lists(st.sampled_from(PODS), max_size=6, unique=True)):
+        if plain:
+            loads[p] = LoadSnapshot(waiting=draw(_plain_float(50.0)), kv_usage=draw(st.floats(0.0, 1.0)),
+                                    in_flight=draw(st.integers(0, 9)),
+                                    prefill_tokens=draw(st.none() | _plain_float(1e5)))
+        else:
+            loads[p] = LoadSnapshot(waiting=draw(_fields), kv_usage=draw(_fields), in_flight=draw(_fields),
+                                    running=draw(_fields), prefill_tokens=draw(st.none() | _fields),
+                                    kv_capacity_tokens=draw(st.none() | _fields))
+    if draw(st.booleans()):  # explicit None values count as missing
+        prefix[draw(st.sampled_from(PODS))] = None
+        loads[draw(st.sampled_from(PODS))] = None
+    picker = TTFTPicker(kv_pressure=draw(st.sampled_from([0.0, 1.0, 10.0, 0.3])),
+                        kv_stall=0.0 if plain else draw(st.sampled_from([0.0, 100.0])),
+                        tie_tokens=draw(st.sampled_from([0.0, 0.0, 1.0, 100.0, 1e9])))
+    return picker, prefix, loads, candidates, prompt
+
+
+def _exact(rows):
+    """Every field with its type (repr tells int from float and -0.0 from 0.0)."""
+    return [repr(r) for r in rows]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ttft_native_cases(plain=True))
+def test_ttft_native_rows_equal_the_python_loop(case):
+    """On exact floats and ints in range the compiled pass answers (it never declines them) with
+    the Python loop's rows, bit for bit and in the same order; the pick uses it."""
+    from kvindex import _native
+    from scorer.picker import PodInputs
+
+    picker, prefix, loads, candidates, prompt = case
+    ranked = _native.ttft_rows(prefix, loads, candidates, prompt, picker.kv_pressure, picker.kv_stall,
+                               picker.decode_reserve, picker.tie_tokens, PodInputs)
+    assert ranked is not None
+    ref = picker._pick_py(candidates, prompt, prefix, loads)
+    assert _exact(ranked) == _exact(ref.rows)
+    c = picker.pick(prefix, loads, candidates, prompt_tokens=prompt)
+    assert c == ref and _exact(c.rows) == _exact(ref.rows) and c.explain() == ref.explain()
+
+
+@settings(max_examples=300, deadline=None)
+@given(ttft_native_cases(plain=False))
+def test_ttft_native_rows_decline_or_agree_on_odd_inputs(case):
+    """Ints, bools, NaN, infinities, negatives, huge counts, kv_stall: the compiled pass either
+    declines (None, the Python loop decides) or gives the Python loop's rows; pick() raises or
+    answers exactly as the loop does."""
+    from kvindex import _native
+    from scorer.picker import PodInputs
+
+    picker, prefix, loads, candidates, prompt = case
+    try:
+        ref = picker._pick_py(candidates, prompt, prefix, loads)
+    except Exception as e:  # noqa: BLE001 - the same error must come out of pick()
+        with pytest.raises(type(e)):
+            picker.pick(prefix, loads, candidates, prompt_tokens=prompt)
+        return
+    ranked = _native.ttft_rows(prefix, loads, candidates, prompt, picker.kv_pressure, picker.kv_stall,
+                               picker.decode_reserve, picker.tie_tokens, PodInputs)
+    if ranked is not None:
+        assert _exact(ranked) == _exact(ref.rows)
+    assert _exact(picker.pick(prefix, loads, candidates, prompt_tokens=prompt).rows) == _exact(ref.rows)
