@@ -135,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"sim_seed002{suffix}.md").write_text("\n".join(md) + "\n")
         print("\n".join(md))
     if "3" in sections:
-        if args.quick:
-            res = pd.sweep(new_fraction=pd.FITTED_NEW_FRACTION, contexts=(2000, 12000, 24000))
+        if args.quick:  # the unfitted prediction (the seed's benchmark clients), three points, off fit to 1e-3
+            res = pd.sweep(structure=pd.SEED_TURNS, contexts=(2000, 12000, 24000))
             fits: list[pd.CrossFit] = []
-            bench = None
+            bench = pd.bench_sweep(contexts=(2000, 12000, 24000), link_variant=False, rtol=1e-3)
         else:  # the seed's published conversations; the fitted share, honestly: fit one model, predict the other
             res = pd.sweep(structure=pd.SEED_TURNS)
             fits = pd.cross_fit()
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_plot:
             pd.plot(res, out / f"sim_seed000{suffix}.png")
             if bench is not None:
-                pd.plot_bench(bench, out / "sim_seed000_bench.png")
+                pd.plot_bench(bench, out / f"sim_seed000_bench{suffix}.png")
         print(text)
     return 0
 

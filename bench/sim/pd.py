@@ -653,6 +653,23 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     budget is vLLM's default for the API server on large GPUs (8,192);
     ``start_skew`` delays client 1's first request (0: both start together, as
     two processes woken by the same queue).
+
+    ``aligned_loads``: a connector load (P pulling D's retained KV, D pulling
+    P's prompt KV) follows the engine's steps as vLLM's V1 scheduler and
+    NixlConnector do, instead of starting on arrival and ending the moment the
+    bytes are in (False: the previous model).  vLLM 0.29-0.32: the scheduler
+    puts a request with remote KV in ``WAITING_FOR_REMOTE_KVS`` at its next
+    ``schedule()`` (the end of the engine's current step); the worker starts
+    the NIXL READ when it executes that step (``start_load_kv``, right after
+    the forward is launched); ``get_finished`` is polled right after each
+    step's launch, so a finished read is reported in the output of the first
+    step that starts after it, and the request is scheduled for its remaining
+    tokens only in the step after that (``_update_from_kv_xfer_finished``, then
+    ``_update_waiting_for_remote_kv``).  An idle engine runs empty connector
+    steps (``kv_connector_no_forward``), so there the load costs the READ
+    alone.  Not modelled: asynchronous scheduling's one step of look-ahead
+    (vLLM's default since it schedules step n + 1 while step n runs), which
+    would delay every arrival at a busy engine by one more step.
     """
 
     num_clients: int = 2
@@ -663,6 +680,7 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     max_num_batched_tokens: int = 8192
     tpot: float = 0.007
     start_skew: float = 0.0
+    aligned_loads: bool = True
 
 
 #: Seed 000's benchmark clients (see :class:`BenchClients`).
@@ -725,6 +743,18 @@ class _Flight:
             setattr(self, k, v)
 
 
+class _Load:
+    """A connector load on an engine: request id, arrival, READ seconds, end of the READ (None: not started,
+    the engine's current step schedules it), and whether a step's poll has reported it."""
+
+    __slots__ = ("rid", "arrived", "read", "done", "reported")
+
+    def __init__(self, rid: int, arrived: float, read: float) -> None:
+        self.rid, self.arrived, self.read = rid, arrived, read
+        self.done: float | None = None
+        self.reported = False
+
+
 def _alone(model: PDModel, n: int, c: int) -> float:
     """Seconds an engine of :class:`StepCost` spends computing ``n`` tokens after ``c`` (its chunks summed)."""
     return model.alpha * (n + model.k * (n * c + n * (n + 1) / 2))
@@ -732,7 +762,8 @@ def _alone(model: PDModel, n: int, c: int) -> float:
 
 def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnStructure = SEED_TURNS,
                   clients: BenchClients = SEED_CLIENTS, seed: int = 0, block_size: int = 16,
-                  threshold: int = 64, replay: Sequence[BenchRecord] | None = None) -> list[BenchRecord]:
+                  threshold: int = 64, replay: Sequence[BenchRecord] | None = None,
+                  trace: dict | None = None) -> list[BenchRecord]:
     """One point of the seed's sweep as its benchmark runs it: every request's record, in completion order.
 
     Clients as :class:`BenchClients`; each request goes proxy (``c0``, no
@@ -740,14 +771,22 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     with chunked prefill, ``max_tokens`` 1) -> D (load of what D lacks, then
     one step that samples the first token; TTFT ends there) -> D decodes the
     answer (``structure.output_tokens`` steps) -> the client sends its next
-    request.  Loads run beside the engine's steps (vLLM's asynchronous
-    ``WAITING_FOR_REMOTE_KVS``), one NIXL READ each, as :meth:`PDModel.xfer`.
+    request.  Loads are one NIXL READ each (:meth:`PDModel.xfer`) while the
+    engine steps on (vLLM's ``WAITING_FOR_REMOTE_KVS``); with
+    ``clients.aligned_loads`` (default) the READ starts with the step that
+    schedules the request and the request joins the queue as that engine's
+    step polls report it (see :class:`BenchClients`), else the READ starts
+    on arrival and the request joins at the first step boundary after it.
     Which turns pull and how much is decided by the connector's planner over
     the library's index, as in :meth:`PDSim.turn`.  ``replay``: the records of
     an earlier run of the same point and policy; their decisions are reused
     instead of asking the planner again (they do not depend on the costs: a
     conversation's next turn is only sent after its previous one finished),
-    which the calibration uses to time many cost models quickly."""
+    which the calibration uses to time many cost models quickly.  ``trace``: if given, filled with
+    ``steps[engine] = [(start, end), ...]`` (s; every step each engine ran), ``idle[engine]`` (the times it
+    found no work of its own) and ``loads = [(engine, arrival, read, admitted), ...]`` (every connector load
+    with ``aligned_loads``: when it reached the engine, its READ seconds, when it joined the waiting queue),
+    for checking the step rule against a plain oracle."""
     if policy not in ("off", "on", "ours"):
         raise ValueError(f"unknown policy {policy!r}")
     if clients.num_clients < 1 or clients.max_active_conversations < clients.num_clients:
@@ -779,16 +818,79 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     rid = itertools.count()
     out: list[BenchRecord] = []
     stepping: set[str] = set()
+    aligned = clients.aligned_loads
+    loads: dict[str, list[_Load]] = {name: [] for name in (*p_eng, *d_eng)}
+    if trace is not None:
+        trace["steps"] = {name: [] for name in (*p_eng, *d_eng)}
+        trace["loads"] = []
+        trace["idle"] = {name: [] for name in (*p_eng, *d_eng)}
 
     def push(t: float, kind: str, what: object) -> None:
         heapq.heappush(events, (t, next(tie), kind, what))
 
+    def admit(eng: SimPod, n: int, now: float, ready: float) -> None:
+        """Request ``n``'s KV is in at ``now``: it joins ``eng``'s waiting queue (P: to compute the rest of the
+        prompt; D: to sample).  ``ready``: when it would have been in had the read started on arrival (the
+        reference for the record's queueing)."""
+        f = flights[n]
+        if eng.name in p_eng:
+            f.p_ready = ready
+            r = SimRequest(n, now, f.prompt, [], f.output[:1])
+            r.external = f.local + f.pulled
+        else:
+            f.d_ready = ready
+            r = SimRequest(n, now, f.prompt, [], f.output)
+            r.external = len(f.prompt) - 1
+        eng.add(r)
+
+    def admitted(eng: SimPod, ld: _Load, now: float) -> None:
+        if trace is not None:
+            trace["loads"].append((eng.name, ld.arrived, ld.read, now))
+        admit(eng, ld.rid, now, ld.arrived + ld.read)
+
     def kick(eng: SimPod, now: float) -> None:
-        if eng.name not in stepping:
+        """Start ``eng``'s next step at ``now`` if it is idle.  A step's start is where the worker polls the
+        connector: reads finished by then are reported with this step and join the queue at its end."""
+        pending = loads[eng.name]
+        while eng.name not in stepping:
             dt = eng.plan_step()
             if dt is not None:
                 stepping.add(eng.name)
                 push(now + dt, "step", eng)
+                if trace is not None:
+                    trace["steps"][eng.name].append((now, now + dt))
+                for ld in pending:
+                    if ld.done is not None and ld.done <= now:
+                        ld.reported = True
+                return
+            if trace is not None:
+                trace["idle"][eng.name].append(now)
+            ready = [ld for ld in pending if ld.done is not None and ld.done <= now]
+            if not ready:
+                return
+            for ld in ready:  # an idle engine's empty connector steps see the read finish at once
+                pending.remove(ld)
+                admitted(eng, ld, now)
+
+    def load(eng: SimPod, n: int, now: float, read: float) -> None:
+        """Request ``n`` reaches ``eng`` with ``read`` seconds of KV to read: the READ starts at once if the
+        engine is idle, else at the end of its current step (the step that schedules it)."""
+        ld = _Load(n, now, read)
+        loads[eng.name].append(ld)
+        if eng.name not in stepping:
+            ld.done = now + read
+            push(ld.done, "load_done", eng)
+
+    def step_boundary(eng: SimPod, now: float) -> None:
+        """``eng``'s step ended: reads reported with it join the queue; reads it scheduled start now."""
+        pending = loads[eng.name]
+        for ld in list(pending):
+            if ld.reported:
+                pending.remove(ld)
+                admitted(eng, ld, now)
+            elif ld.done is None:
+                ld.done = now + ld.read
+                push(ld.done, "load_done", eng)
 
     def take(c: int) -> bool:
         """The client fills its active set from the shared queue; False when it met the end marker."""
@@ -819,7 +921,10 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
                     p_alone=_alone(model, len(prompt) - local - pulled, local + pulled))
         n = next(rid)
         flights[n] = f
-        push(now + model.c0 + model.xfer(pulled), "p_ready", n)
+        if aligned and pulled > 0:
+            push(now + model.c0, "p_arrive", n)
+        else:
+            push(now + model.c0 + model.xfer(pulled), "p_ready", n)
 
     for c in range(clients.num_clients):
         push(c * clients.start_skew, "issue", c)
@@ -828,22 +933,21 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
             now, _, kind, what = heapq.heappop(events)
             if kind == "issue":
                 issue(what, now)  # type: ignore[arg-type]
-            elif kind == "p_ready":
+            elif kind in ("p_ready", "d_ready"):  # KV read on arrival, beside the steps (aligned_loads off)
                 f = flights[what]  # type: ignore[index]
-                f.p_ready = now
-                r = SimRequest(what, now, f.prompt, [], f.output[:1])  # type: ignore[arg-type]
-                r.external = f.local + f.pulled
-                eng = p_eng[f.plan.prefill_pod]
-                eng.add(r)
+                eng = p_eng[f.plan.prefill_pod] if kind == "p_ready" else d_eng[f.plan.decode_pod]
+                admit(eng, what, now, now)  # type: ignore[arg-type]
                 kick(eng, now)
-            elif kind == "d_ready":
+            elif kind in ("p_arrive", "d_arrive"):  # aligned_loads: the read follows the engine's steps
                 f = flights[what]  # type: ignore[index]
-                f.d_ready = now
-                r = SimRequest(what, now, f.prompt, [], f.output)  # type: ignore[arg-type]
-                r.external = len(f.prompt) - 1
-                eng = d_eng[f.plan.decode_pod]
-                eng.add(r)
+                if kind == "p_arrive":
+                    eng, x = p_eng[f.plan.prefill_pod], model.xfer(f.pulled)
+                else:
+                    eng, x = d_eng[f.plan.decode_pod], model.xfer(len(f.prompt) - f.d_hit)
+                load(eng, what, now, x)  # type: ignore[arg-type]
                 kick(eng, now)
+            elif kind == "load_done":
+                kick(what, now)  # type: ignore[arg-type]
             else:  # a step ended
                 eng = what  # type: ignore[assignment]
                 stepping.discard(eng.name)
@@ -855,7 +959,10 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
                         if decided is None:
                             sim.now = now
                             sim.prefill_done(f.plan, f.prompt)
-                        push(now + model.xfer(len(f.prompt) - f.d_hit), "d_ready", r.rid)
+                        if aligned:
+                            push(now, "d_arrive", r.rid)
+                        else:
+                            push(now + model.xfer(len(f.prompt) - f.d_hit), "d_ready", r.rid)
                 else:
                     for r in firsts:
                         flights[r.rid].ttft = now - flights[r.rid].start
@@ -879,6 +986,7 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
                             if clients.early_stop:
                                 stop_all = True
                         push(now, "issue", c)
+                step_boundary(eng, now)
                 kick(eng, now)
     finally:
         sim.close()
@@ -974,13 +1082,24 @@ def calibrate_bench(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS
             lo, hi = (mid, hi) if v < 0 else (lo, mid)
         return (lo + hi) / 2
 
-    # c0 is nearly, not exactly, a shift (D's step grid): alternate the two solves until both points hold
+    def solve_c0(a: float, c0: float) -> float:
+        """c0 through the first point by secant steps: the mean moves less than c0 does (a later arrival
+        meets D's decode steps and the other client at another phase), so a plain shift undershoots."""
+        f0 = g(a, x1, c0) - curves.off[x1]
+        c1 = c0 - f0
+        for _ in range(8):
+            f1 = g(a, x1, c1) - curves.off[x1]
+            if abs(f1) <= rtol * curves.off[x1]:
+                return c1
+            c0, f0, c1 = c1, f1, (c1 - f1 * (c1 - c0) / (f1 - f0) if f1 != f0 else c1 - f1)
+        return c1
+
+    # c0 is not exactly a shift (D's step grid, the clients' phase): alternate the two solves until both hold
     c0, alpha = 0.0, seq.alpha
-    for _ in range(6):
+    for _ in range(8):
         alpha = solve_alpha(c0, alpha)
-        miss = curves.off[x1] - g(alpha, x1, c0)
-        c0 += miss
-        if abs(miss) <= rtol * curves.off[x1] and abs(g(alpha, x2, c0) - curves.off[x2]) <= 10 * rtol * curves.off[x2]:
+        c0 = solve_c0(alpha, c0)
+        if abs(g(alpha, x2, c0) - curves.off[x2]) <= 2 * rtol * curves.off[x2]:
             break
     return msgspec.structs.replace(probe, c0=float(c0), alpha=float(alpha))
 
@@ -1020,23 +1139,24 @@ class BenchResult(msgspec.Struct, frozen=True):
 
 def bench_sweep(*, clients: BenchClients = SEED_CLIENTS, structure: TurnStructure = SEED_TURNS,
                 contexts: Sequence[int] = tuple(range(2000, 24001, 2000)), block_size: int = 16,
-                threshold: int = 64, link_variant: bool = True) -> BenchResult:
+                threshold: int = 64, link_variant: bool = True, rtol: float = 1e-5) -> BenchResult:
     """Calibrate both models on their off points with the benchmark's clients, predict their on points, and run
     off / on / ours for Qwen3-32B over ``contexts`` (nothing fitted on an on curve).  ``link_variant``: also
     predict both on curves with each model's link taken from its published transfer times
-    (:func:`published_link`), reported in ``link_errors``."""
+    (:func:`published_link`), reported in ``link_errors``.  ``rtol``: the off fit's tolerance
+    (:func:`calibrate_bench`; the quick mode uses 1e-3)."""
     models: dict[str, PDModel] = {}
     errors: dict[str, dict[int, float]] = {}
     link_models: dict[str, PDModel] = {}
     link_errors: dict[str, dict[int, float]] = {}
     kw0 = dict(structure=structure, clients=clients, block_size=block_size)
     for cur in (QWEN3_32B, GLM5_FP8):
-        m = calibrate_bench(cur, **kw0)
+        m = calibrate_bench(cur, **kw0, rtol=rtol)
         models[cur.name] = m
         errors[cur.name] = {x: bench_mean(m, "on", x, **kw0, threshold=threshold) / t - 1.0
                             for x, t in sorted(cur.on.items())}
         if link_variant:
-            lm = calibrate_bench(cur, **kw0, link=published_link(cur, **kw0))
+            lm = calibrate_bench(cur, **kw0, link=published_link(cur, **kw0), rtol=rtol)
             link_models[cur.name] = lm
             link_errors[cur.name] = {x: bench_mean(lm, "on", x, **kw0, threshold=threshold) / t - 1.0
                                      for x, t in sorted(cur.on.items())}
@@ -1066,7 +1186,8 @@ def bench_table(res: BenchResult) -> str:
     lines = [
         f"Benchmark clients as the seed ran them: {c.num_clients} clients, {c.max_active_conversations} active "
         f"conversations, {c.num_conversations} conversations, early stop {'on' if c.early_stop else 'off'}, "
-        f"max_num_seqs {c.max_num_seqs}, token budget {c.max_num_batched_tokens:,}, D step {c.tpot * 1e3:.0f} ms.",
+        f"max_num_seqs {c.max_num_seqs}, token budget {c.max_num_batched_tokens:,}, D step {c.tpot * 1e3:.0f} ms, "
+        f"connector loads {'aligned to the engine steps' if c.aligned_loads else 'beside the steps'}.",
         "",
         "| model | c0 ms | alpha us/token | on-curve error at each published point |",
         "|---|---|---|---|",
