@@ -405,6 +405,11 @@ class Sequencer:
         cand = self._candidate
         if cand is not None:
             kind, cb = cand
+            if self._recent.get(b.seq) == b.ts:
+                # a copy of a batch we applied (delivered again late): it says nothing about the
+                # candidate, which still waits for its successor
+                out.append(Count("duplicates"))
+                return out
             if b.seq == cb.seq + 1 and b.ts >= cb.ts:
                 self._candidate = None
                 if kind == "back" and self.has_replay:

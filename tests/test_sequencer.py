@@ -294,6 +294,19 @@ def test_a_batch_applied_past_a_loss_after_giving_up_keeps_the_stream_incomplete
     assert not s.complete
 
 
+def test_a_late_copy_of_our_last_batch_does_not_discard_a_waiting_restart_candidate() -> None:
+    """A new process's seq 0 waits as a candidate (the endpoint did not answer); a late copy of
+    our own seq 0 arrives, then the new process's seq 1.  The copy is a duplicate: the candidate
+    stays, and seq 1 confirms the restart (it used to be applied as our seq 1, mixing the two
+    processes).  Found by the sequencer world."""
+    s = started(1)
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)
+    s.confirmed(None)
+    assert counts(s.live(b(0))) == {"duplicates": 1}
+    out = s.live(b(1, ts=501.0))
+    assert counts(out).get("restarts") == 1 and applied(out) == [] and out[-1] == Replay(0)
+
+
 # ---------------------------------------------------------------- unnoticed restarts while the endpoint is down
 
 
