@@ -353,6 +353,8 @@ class _Shard:
         # retries take at most about half of the shard's time: after one that took t seconds
         # (a timeout, with a dead endpoint) the next waits t, so queued messages keep flowing
         self.retry_not_before = 0.0
+        # bootstraps whose first ask failed, asked again after the pool's backoff: (deadline, failures, item)
+        self.boot_at: list[tuple[float, int, _Bootstrap]] = []
         # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
         self.index_gen = getattr(pool.index, "generation", 0)
         self.replay = ReplayClient(
@@ -393,6 +395,8 @@ class _Shard:
                     self._guarded(self._note_drops)
                 if self.retry_at:
                     self._guarded(self._retries)
+                if self.boot_at:
+                    self._guarded(self._boot_retries)
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
@@ -438,6 +442,7 @@ class _Shard:
             for st in self._streams_of(item.pod, item.dp_rank):
                 self._run(st, st.seq.reconnected())
         elif isinstance(item, _Forget):
+            self.boot_at = [b for b in self.boot_at if b[2].pod != item.pod]
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
                 self.resync_due.discard(key)
@@ -682,7 +687,7 @@ class _Shard:
             self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
             return None
 
-    def _bootstrap(self, item: _Bootstrap) -> None:
+    def _bootstrap(self, item: _Bootstrap, failures: int = 0) -> None:
         """Rebuild a publisher's stream from its replay buffer when the subscriber first connects.
 
         The stream is keyed by the model its topic names (as its live
@@ -703,12 +708,38 @@ class _Shard:
                 return
         except TimeoutError:
             self._error("replay_timeout", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} timed out")
+            self._boot_later(item, failures)
             return
         except (ValueError, zmq.ZMQError) as exc:
             self._error("replay", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} failed: {exc}")
+            self._boot_later(item, failures)
             return
         st = self._stream(item.pod, model, item.dp_rank, src)
         self._run(st, st.seq.bootstrap())
+
+    def _boot_later(self, item: _Bootstrap, failures: int) -> None:
+        """A bootstrap whose ask failed is asked again after the pool's backoff (as a failed
+        replay: ``replay_retry_delay`` doubled per failure, at most ``replay_retry_max_delay``), up
+        to ``replay_retries`` times.  An engine that published everything before we subscribed
+        publishes nothing more that would start its stream."""
+        pool = self.pool
+        if failures >= pool.replay_retries:
+            return
+        delay = min(pool.replay_retry_delay * 2.0**failures, pool.replay_retry_max_delay)
+        self.boot_at.append((time.monotonic() + delay, failures + 1, item))
+
+    def _boot_retries(self) -> None:
+        """Ask again the bootstraps whose backoff has passed, unless a message started the stream meanwhile."""
+        now = time.monotonic()
+        due = [b for b in self.boot_at if b[0] <= now]
+        if not due:
+            return
+        self.boot_at = [b for b in self.boot_at if b[0] > now]
+        for _t, failures, item in due:
+            if self._streams_of(item.pod, item.dp_rank):
+                continue  # a live message started the stream (its start is checked against the buffer)
+            self.c.replay_retries += 1
+            self._bootstrap(item, failures)
 
     def _note_drops(self) -> None:
         """Streams of pods that lost a message to a full queue: incomplete now, replayed when idle."""

@@ -217,6 +217,38 @@ def test_a_stream_whose_endpoint_does_not_answer_at_first_starts_once_it_does(ri
     assert rig.pool.stats().gaps_unrecovered == 0
 
 
+def test_a_bootstrap_whose_endpoint_does_not_answer_at_first_is_asked_again(rigs: list[Rig]) -> None:
+    """An engine that published everything before we subscribed, and whose endpoint is busy when the
+    subscription's bootstrap asks: no live message will come to start the stream, so the bootstrap
+    itself is asked again after the backoff and rebuilds the index from the engine's buffer."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_timeout=0.3)
+    rigs.append(rig)
+    for p in range(3):
+        e.publish(store(e, p))  # before the subscription: nobody receives these
+    rig.server.pause(e)
+    rig.pool.bootstrap(rig.source(e), e.pod, e.dp_rank)
+    assert wait_for(lambda: rig.pool.stats().errors_by_kind.get("replay_timeout", 0) >= 1)
+    assert rig.pool.completeness(e.pod) == []
+    rig.server.resume(e)
+    assert wait_for(lambda: any(s.complete for s in rig.pool.completeness(e.pod))), rig.pool.completeness(e.pod)
+    assert rig.view(e) == e.view() and rig.state(e).last_seq == e.next_seq - 1
+    assert rig.pool.stats().messages == 0 and rig.pool.stats().replay_retries >= 1
+
+
+def test_a_bootstrap_is_asked_again_at_most_replay_retries_times(rigs: list[Rig]) -> None:
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e, replay_timeout=0.2, replay_retries=2, replay_retry_delay=0.01, replay_retry_max_delay=0.02)
+    rigs.append(rig)
+    e.publish(store(e, 0))
+    rig.server.pause(e)
+    rig.pool.bootstrap(rig.source(e), e.pod, e.dp_rank)
+    assert wait_for(lambda: rig.pool.stats().errors_by_kind.get("replay_timeout", 0) >= 3)
+    time.sleep(1.0)  # longer than the backoff and another timeout: no fourth ask
+    assert rig.pool.stats().errors_by_kind.get("replay_timeout", 0) == 3
+    assert rig.pool.completeness(e.pod) == []
+
+
 def test_retries_are_bounded_then_the_live_stream_is_taken_as_is(rigs: list[Rig]) -> None:
     """An endpoint that never answers: a bounded number of retries, then live messages apply (incomplete)."""
     e = ModelEngine("pod-a", "m", 0, PATHS)
