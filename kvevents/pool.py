@@ -491,9 +491,7 @@ class _Shard:
             self._error("engine", f"unknown engine format {engine!r}")
             return None
         try:
-            # a well-formed frame read here (decode_seq for the others, which raises)
-            seq = int.from_bytes(seq_frame, "big") if type(seq_frame) is bytes and len(seq_frame) == 8 else decode_seq(seq_frame)
-            return seq, decoder(payload)
+            return decode_seq(seq_frame), decoder(payload)
         except PayloadError as exc:
             self._error(exc.kind, f"bad payload ({exc.kind}): {exc}")
             return None
@@ -541,7 +539,7 @@ class _Shard:
         c.events += len(batch.events)
         st.batches += 1
         apply = getattr(index, "apply_events", None)
-        observers = self.pool.observers_of(pod, rank, model) if self.pool.store_observers else ()
+        observers = self.pool.observers_of(pod, rank, model)
         if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
             r = ApplyResult()

@@ -252,8 +252,15 @@ class _VllmArrCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", g
     pass
 
 
-#: tier_from_medium of the usual mediums, looked up without a call
-_TIER_OF: dict[str | None, str] = {m: tier_from_medium(m) for m in (None, "GPU", "CPU", "STORAGE", "gpu", "cpu")}
+class _TierOf(dict):
+    """medium -> tier_from_medium(medium): the usual mediums looked up without a call, any other
+    one through tier_from_medium itself (not kept: a publisher may send any string)."""
+
+    def __missing__(self, medium: str | None) -> str:
+        return tier_from_medium(medium)
+
+
+_TIER_OF = _TierOf({m: tier_from_medium(m) for m in (None, "GPU", "CPU", "STORAGE", "gpu", "cpu")})
 
 
 def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
@@ -267,16 +274,13 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
     parent = ev.parent_block_hash
     if parent is not None and (type(parent) is not int or parent < 0):
         parent = normalize_block_hash(parent)
-    tier = _TIER_OF.get(ev.medium)
-    if tier is None:
-        tier = tier_from_medium(ev.medium)
     ek = ev.extra_keys
     return BlockStored(
         hashes,
         parent,
         toks,
         bs,
-        tier,
+        _TIER_OF[ev.medium],
         ev.lora_id,
         ev.lora_name,
         None if ek is None else _extra_keys(ek, len(hashes)),
@@ -290,10 +294,9 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
 
 
 def _vllm_removed(ev: _VllmRemovedFields) -> BlockRemoved:
-    tier = _TIER_OF.get(ev.medium)
     return BlockRemoved(
         _hashes(ev.block_hashes),
-        tier_from_medium(ev.medium) if tier is None else tier,
+        _TIER_OF[ev.medium],
         ev.group_idx,
         ev.locality,
         ev.ownership,
@@ -550,6 +553,8 @@ def decode_seq(frame: bytes) -> int:
     Raises:
         PayloadError: kind ``"seq"`` for anything but 8 bytes.
     """
+    if type(frame) is bytes and len(frame) == 8:
+        return int.from_bytes(frame, "big")  # the usual frame, read in place
     if not isinstance(frame, (bytes, bytearray, memoryview)):
         raise PayloadError("seq", f"sequence frame of type {type(frame).__name__}")
     b = bytes(frame)

@@ -154,3 +154,16 @@ class Oracle:
             if tiers:
                 out[pod] = tiers
         return out
+
+
+def same_on_both(ixs: list, name: str, *args: object, **kw: object) -> tuple:
+    """Call method ``name`` on both indexes (the reference, then the compiled one) and assert the
+    same outcome: ("ok", result), or ("err", exception type) for a ValueError / TypeError."""
+    out = []
+    for ix in ixs:
+        try:
+            out.append(("ok", getattr(ix, name)(*args, **kw)))
+        except (ValueError, TypeError) as exc:
+            out.append(("err", type(exc)))
+    assert out[0] == out[1], (name, args, kw, out)
+    return out[0]

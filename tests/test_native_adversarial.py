@@ -36,7 +36,7 @@ from kvindex.native import NativeKVBlockIndex, _summarise
 from scorer.load import LoadSnapshot
 from scorer.picker import PodInputs, TTFTPicker, _prompt_tokens, _unique_candidates
 from scorer.prefix import PrefixScore
-from tests.oracle import engine_hash
+from tests.oracle import engine_hash, same_on_both
 
 # -- 1. the walk's same-holder runs over many pods
 
@@ -94,14 +94,7 @@ class ManyPodRuns(RuleBasedStateMachine):
                     NativeKVBlockIndex(self.TP, capacity=capacity, clock=clock)]
 
     def both(self, name, *args, **kw):
-        out = []
-        for ix in self.ixs:
-            try:
-                out.append(("ok", getattr(ix, name)(*args, **kw)))
-            except (ValueError, TypeError) as exc:
-                out.append(("err", type(exc)))
-        assert out[0] == out[1], (name, args, kw, out)
-        return out[0]
+        return same_on_both(self.ixs, name, *args, **kw)
 
     @rule(first=st.integers(0, N_PODS - 1), count=st.integers(1, N_PODS), step=st.sampled_from([1, 1, 3]),
           rank=st.sampled_from([0, 0, *RANKS]), tier=st.sampled_from(TIERS), model=st.sampled_from([None, *MODELS]),

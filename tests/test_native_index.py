@@ -32,7 +32,7 @@ from kvindex.keys import TokenProcessor
 from kvindex.native import NativeKVBlockIndex, _summarise
 from kvindex.protocol import KVIndex
 from kvindex.tiers import tier_bit
-from tests.oracle import Universe
+from tests.oracle import Universe, same_on_both
 
 # -- 1. the reference's own cases, on the compiled index
 
@@ -113,14 +113,7 @@ class SameSteps(RuleBasedStateMachine):
         return U.request_keys(p)
 
     def both(self, name, *args, **kw):
-        results = []
-        for ix in self.ixs:
-            try:
-                results.append(("ok", getattr(ix, name)(*args, **kw)))
-            except (ValueError, TypeError) as exc:
-                results.append(("err", type(exc)))
-        assert results[0] == results[1], (name, args, kw, results)
-        return results[0]
+        return same_on_both(self.ixs, name, *args, **kw)
 
     @rule(
         pod=st.sampled_from(PODS),
