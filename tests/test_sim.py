@@ -349,12 +349,56 @@ def test_benchmark_connector_loads_follow_the_engine_steps(policy, prefix, tpot,
     assert off_trace["loads"] == [] and len(off) == len(recs)
 
 
+def _join_oracle(schedulable: float, steps: list[tuple[float, float]], idle: set[float]) -> float | None:
+    """When an engine with asynchronous scheduling takes a request that became schedulable at ``schedulable``
+    (plainly: vLLM's batch queue of 2 plans step n + 1 while step n runs): during a step, or at a step's end, the
+    next step is already planned, so the request is planned at the end of that next step, or at once when the
+    engine has nothing else to do then; on an idle engine at once.  None: exactly at the start of a step (the
+    order of simultaneous events decides)."""
+    if any(schedulable == s for s, _ in steps):
+        return None
+    step = next(((s, e) for s, e in steps if s < schedulable < e), None)
+    if step is None and all(schedulable != e for _, e in steps):
+        return schedulable  # idle
+    b = step[1] if step else schedulable
+    nxt = next(((s, e) for s, e in steps if s == b), None)
+    return b if nxt is None or b in idle else nxt[1]
+
+
+@settings(max_examples=6, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])  # runs take seconds
+@given(policy=st.sampled_from(["off", "on"]), prefix=st.sampled_from([2000, 12000]), tpot=st.floats(0.004, 0.04),
+       skew=st.floats(0.0, 1.0))
+def test_benchmark_async_scheduling_plans_one_step_later(policy, prefix, tpot, skew):
+    """With asynchronous scheduling every request (new on P, new on D, or a finished load) is planned one step
+    later than it became schedulable when its engine is busy, at once when it is idle; the loads still follow the
+    step rule."""
+    m = _seed_model()
+    cl = pd.BenchClients(tpot=tpot, start_skew=skew, async_scheduling=True)
+    trace: dict = {}
+    recs = pd.run_benchmark(m, policy, prefix, clients=cl, trace=trace)
+    # every request joins P once and D once, plus the pulls' loads on P
+    assert len(trace["joins"]) == 2 * len(recs)
+    later = 0
+    for eng, schedulable, planned in trace["joins"]:
+        want = _join_oracle(schedulable, trace["steps"][eng], set(trace["idle"][eng]))
+        if want is not None:
+            assert planned == pytest.approx(want, abs=1e-12), (eng, schedulable)
+        later += planned > schedulable
+    assert later > 0  # two clients: some requests meet a busy engine
+    for eng, arrival, read, joined in trace["loads"]:
+        steps = trace["steps"][eng]
+        if not any(arrival in (s, e) for s, e in steps):
+            assert joined == pytest.approx(_load_oracle(arrival, read, steps, set(trace["idle"][eng])), abs=1e-12)
+
+
 def test_benchmark_aligned_loads_cost_nothing_on_idle_engines():
-    """One client with one conversation: P and D are idle whenever a load arrives, so the step rule changes nothing
-    (the previous model exactly)."""
+    """One client with one conversation: P and D are idle whenever a load arrives, so neither the step rule nor
+    asynchronous scheduling changes anything (the previous model exactly)."""
     m = _seed_model()
     cl = pd.BenchClients(num_clients=1, max_active_conversations=1, num_conversations=2)
     for policy in ("off", "on"):
         on = pd.run_benchmark(m, policy, 4000, clients=cl)
         off = pd.run_benchmark(m, policy, 4000, clients=msgspec.structs.replace(cl, aligned_loads=False))
+        lag = pd.run_benchmark(m, policy, 4000, clients=msgspec.structs.replace(cl, async_scheduling=True))
         assert [msgspec.to_builtins(r) for r in on] == [msgspec.to_builtins(r) for r in off]
+        assert [msgspec.to_builtins(r) for r in lag] == [msgspec.to_builtins(r) for r in on]

@@ -667,9 +667,18 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     tokens only in the step after that (``_update_from_kv_xfer_finished``, then
     ``_update_waiting_for_remote_kv``).  An idle engine runs empty connector
     steps (``kv_connector_no_forward``), so there the load costs the READ
-    alone.  Not modelled: asynchronous scheduling's one step of look-ahead
-    (vLLM's default since it schedules step n + 1 while step n runs), which
-    would delay every arrival at a busy engine by one more step.
+    alone.
+
+    ``async_scheduling``: vLLM's asynchronous scheduling (on by default on GPUs
+    since vLLM 0.14, so in the seed's 0.29; ``EngineCore.step_with_batch_queue``
+    with a batch queue of 2): the scheduler plans step n + 1 while step n runs,
+    so a request that becomes schedulable during step n (a new arrival, or a
+    load reported with step n's output) is planned at step n's end into step
+    n + 2 and computed one step later than without it; an engine with nothing
+    else to plan takes it at once.  READs still start when the step that carries
+    them is launched (the worker picks it up as soon as the previous step is
+    launched).  Off by default: it moves the prediction away from the seed's
+    points (bench/sim/README.md).
     """
 
     num_clients: int = 2
@@ -681,6 +690,7 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     tpot: float = 0.007
     start_skew: float = 0.0
     aligned_loads: bool = True
+    async_scheduling: bool = False
 
 
 #: Seed 000's benchmark clients (see :class:`BenchClients`).
@@ -786,7 +796,8 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     ``steps[engine] = [(start, end), ...]`` (s; every step each engine ran), ``idle[engine]`` (the times it
     found no work of its own) and ``loads = [(engine, arrival, read, admitted), ...]`` (every connector load
     with ``aligned_loads``: when it reached the engine, its READ seconds, when it joined the waiting queue),
-    for checking the step rule against a plain oracle."""
+    and with ``clients.async_scheduling`` ``joins = [(engine, schedulable, queued), ...]`` (when each request
+    could be scheduled and when the engine's planner took it), for checking the step rules against plain oracles."""
     if policy not in ("off", "on", "ours"):
         raise ValueError(f"unknown policy {policy!r}")
     if clients.num_clients < 1 or clients.max_active_conversations < clients.num_clients:
@@ -820,10 +831,15 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     stepping: set[str] = set()
     aligned = clients.aligned_loads
     loads: dict[str, list[_Load]] = {name: [] for name in (*p_eng, *d_eng)}
+    lag = clients.async_scheduling
+    # async scheduling: joins that arrive during a step, and joins a step boundary passed on to the next one
+    during: dict[str, list[tuple[int, float, float]]] = {name: [] for name in loads}
+    held: dict[str, list[tuple[int, float, float]]] = {name: [] for name in loads}
     if trace is not None:
         trace["steps"] = {name: [] for name in (*p_eng, *d_eng)}
         trace["loads"] = []
         trace["idle"] = {name: [] for name in (*p_eng, *d_eng)}
+        trace["joins"] = []
 
     def push(t: float, kind: str, what: object) -> None:
         heapq.heappush(events, (t, next(tie), kind, what))
@@ -846,7 +862,21 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     def admitted(eng: SimPod, ld: _Load, now: float) -> None:
         if trace is not None:
             trace["loads"].append((eng.name, ld.arrived, ld.read, now))
-        admit(eng, ld.rid, now, ld.arrived + ld.read)
+        join(eng, ld.rid, now, ld.arrived + ld.read)
+
+    def join(eng: SimPod, n: int, now: float, ready: float) -> None:
+        """Request ``n`` may be scheduled from ``now`` on.  Async scheduling: a busy engine has already
+        scheduled its next step, so the request joins the waiting queue at the end of the running step (and is
+        scheduled for the step after the next); an idle engine takes it at once."""
+        if lag and eng.name in stepping:
+            during[eng.name].append((n, now, ready))
+        else:
+            queued(eng, n, now, now, ready)
+
+    def queued(eng: SimPod, n: int, joined: float, now: float, ready: float) -> None:
+        if trace is not None and lag:
+            trace["joins"].append((eng.name, joined, now))
+        admit(eng, n, now, ready)
 
     def kick(eng: SimPod, now: float) -> None:
         """Start ``eng``'s next step at ``now`` if it is idle.  A step's start is where the worker polls the
@@ -865,6 +895,11 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
                 return
             if trace is not None:
                 trace["idle"][eng.name].append(now)
+            if held[eng.name]:  # nothing else to schedule: what waited a boundary is scheduled now
+                for n, joined, ready_at in held[eng.name]:
+                    queued(eng, n, joined, now, ready_at)
+                held[eng.name].clear()
+                continue
             ready = [ld for ld in pending if ld.done is not None and ld.done <= now]
             if not ready:
                 return
@@ -884,10 +919,20 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     def step_boundary(eng: SimPod, now: float) -> None:
         """``eng``'s step ended: reads reported with it join the queue; reads it scheduled start now."""
         pending = loads[eng.name]
+        if lag:  # joins that waited one boundary are scheduled now; those of the step that ended wait one
+            for n, joined, ready_at in held[eng.name]:
+                queued(eng, n, joined, now, ready_at)
+            held[eng.name] = during[eng.name]
+            during[eng.name] = []
         for ld in list(pending):
             if ld.reported:
                 pending.remove(ld)
-                admitted(eng, ld, now)
+                if trace is not None:
+                    trace["loads"].append((eng.name, ld.arrived, ld.read, now))
+                if lag:
+                    held[eng.name].append((ld.rid, now, ld.arrived + ld.read))
+                else:
+                    admit(eng, ld.rid, now, ld.arrived + ld.read)
             elif ld.done is None:
                 ld.done = now + ld.read
                 push(ld.done, "load_done", eng)
@@ -936,7 +981,7 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
             elif kind in ("p_ready", "d_ready"):  # KV read on arrival, beside the steps (aligned_loads off)
                 f = flights[what]  # type: ignore[index]
                 eng = p_eng[f.plan.prefill_pod] if kind == "p_ready" else d_eng[f.plan.decode_pod]
-                admit(eng, what, now, now)  # type: ignore[arg-type]
+                join(eng, what, now, now)  # type: ignore[arg-type]
                 kick(eng, now)
             elif kind in ("p_arrive", "d_arrive"):  # aligned_loads: the read follows the engine's steps
                 f = flights[what]  # type: ignore[index]
