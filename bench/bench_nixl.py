@@ -19,6 +19,10 @@ assumed dimensions are printed): the break-even tokens and the recommended
 ``kv_recompute_threshold``, with the prefill cost per token taken from the
 TTFT figures of vLLM PR #32553 (seed 000, prefix caching off on P).
 
+First, the descriptor preparation vLLM's NIXL worker does for every request
+it loads (:func:`prep_rows`: ``make_prepped_xfer`` by descriptor count, in
+this process); ``bench/sim/pd.py`` uses its medians (``NIXL_PREP_S``).
+
 Writes bench/out/nixl.json and bench/out/nixl.png.  Run under the engine lock:
 ``flock /tmp/kvindex-engines.lock .venv/bin/python bench/bench_nixl.py``.
 """
@@ -61,11 +65,79 @@ MODELS = [
 ]
 
 
+#: Descriptor preparation as vLLM's NixlConnector does it for one request on one tensor-parallel rank of
+#: Qwen3-32B at TP 8: 128 regions (K and V of 64 layers), 16-token blocks of 1 KV head x 128 x bf16 = 4 KiB.
+PREP_REGIONS = 128
+PREP_BLOCK_BYTES = 4096
+PREP_BLOCKS = (16, 64, 256, 512, 1024, 1600)
+
+
+def prep_rows(reps: int) -> list[dict]:
+    """Milliseconds ``make_prepped_xfer`` takes per READ, by descriptor count (median and min over ``reps``).
+
+    vLLM's NIXL worker prepares both sides' descriptor lists once per remote
+    engine (``prep_xfer_dlist`` over every region and block, at the handshake),
+    then, for every request it loads, computes the descriptor ids of the
+    request's blocks in every region and calls ``make_prepped_xfer`` before
+    ``transfer``: CPU work on the worker's thread that grows with the blocks
+    read and that NIXL's transfer telemetry (timed from the post) does not
+    include.  Two agents in this process (the preparation is local work),
+    random remote blocks, one warm-up; each READ is also completed and checked
+    for state DONE."""
+    from examples.nixl_kv import _agent
+
+    nb = max(PREP_BLOCKS) + 100
+    d, p = _agent("prep-d"), _agent("prep-p")
+    dpool = np.ones((PREP_REGIONS, nb, PREP_BLOCK_BYTES), dtype=np.uint8)
+    ppool = np.zeros_like(dpool)
+    d.register_memory([(dpool.ctypes.data, dpool.nbytes, 0, "")], "DRAM")
+    p.register_memory([(ppool.ctypes.data, ppool.nbytes, 0, "")], "DRAM")
+    remote = p.add_remote_agent(d.get_agent_metadata())
+    remote = remote.decode() if isinstance(remote, bytes) else remote
+
+    def dlist(base: int) -> list[tuple[int, int, int]]:
+        return [(base + (r * nb + b) * PREP_BLOCK_BYTES, PREP_BLOCK_BYTES, 0)
+                for r in range(PREP_REGIONS) for b in range(nb)]
+
+    local_h = p.prep_xfer_dlist("NIXL_INIT_AGENT", dlist(ppool.ctypes.data), "DRAM")
+    remote_h = p.prep_xfer_dlist(remote, dlist(dpool.ctypes.data), "DRAM")
+    region_base = np.arange(PREP_REGIONS)[:, None] * nb
+    rng = np.random.default_rng(3)
+    rows = []
+    for n in PREP_BLOCKS:
+        times = []
+        for i in range(reps + 1):
+            blocks = rng.choice(nb, size=n, replace=False)
+            t0 = time.perf_counter()
+            remote_ids = (region_base + blocks[None, :]).ravel()
+            local_ids = (region_base + np.arange(n)[None, :]).ravel()
+            h = p.make_prepped_xfer("READ", local_h, local_ids, remote_h, remote_ids, b"prep")
+            t1 = time.perf_counter()
+            state = p.transfer(h)
+            while state not in ("DONE", "ERR"):
+                state = p.check_xfer_state(h)
+            p.release_xfer_handle(h)
+            if state != "DONE":
+                raise RuntimeError("NIXL READ failed")
+            if i:  # the first is the warm-up
+                times.append(t1 - t0)
+        rows.append({"descriptors": n * PREP_REGIONS, "blocks": n, "prep_ms_median": statistics.median(times) * 1e3,
+                     "prep_ms_min": min(times) * 1e3})
+    p.release_dlist_handle(local_h)
+    p.release_dlist_handle(remote_h)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    prep = prep_rows(args.reps)
+    print(f"{'descriptors':>11} {'blocks':>6} {'prep ms':>8} {'min ms':>7} {'ns/desc':>7}")
+    for r in prep:
+        print(f"{r['descriptors']:>11} {r['blocks']:>6} {r['prep_ms_median']:>8.2f} {r['prep_ms_min']:>7.2f} "
+              f"{r['prep_ms_median'] * 1e6 / r['descriptors']:>7.0f}")
     rows = []
     rng = random.Random(7)
     for bb in BLOCK_BYTES:
@@ -151,6 +223,7 @@ def main() -> None:
         "regions": REGIONS,
         "reps": args.reps,
         "rows": rows,
+        "prep": {"regions": PREP_REGIONS, "block_bytes": PREP_BLOCK_BYTES, "rows": prep},
         "fit": {k: {"latency_s": v.latency_s, "bytes_per_s": v.bytes_per_s} for k, v in fits.items()},
         "advice": advice,
     }

@@ -24,7 +24,10 @@ Cost model (seconds; tokens; KV of ``kv_bytes_per_token`` bytes a token):
   at 24k tokens of Qwen3-32B KV) rise by 100 ms for 22,000 tokens x 256 KiB,
   i.e. 57.7 GB/s (8.6 x the DRAM copy here, about one 400 Gb/s RDMA NIC).
   The seed's 21 ms intercept is not a transfer cost (it is common to both
-  curves and lands in c0).
+  curves and lands in c0).  Each READ also pays the preparation of its
+  descriptors (:func:`nixl_prep`, measured here: vLLM's per-request
+  ``make_prepped_xfer`` over regions x blocks descriptors), which NIXL's
+  transfer telemetry, hence the seed's published transfer times, leaves out.
 * A turn: TTFT = c0 + xfer(pulled) + prefill(L - local - pulled | local +
   pulled) + xfer(L - D's cached tokens).  c0 = fixed overheads common to
   both curves (router legs, D's first step); P's local and pulled tokens come
@@ -105,13 +108,36 @@ MODEL = "seed000-model"
 NIXL_LATENCY_S = 17e-6
 #: The seed's link: (130 - 30) ms for 22,000 tokens of 262,144 bytes.
 SEED_LINK_BYTES_PER_S = 22_000 * 262_144 / 0.100
+#: NIXL descriptor preparation per READ measured here (``bench/bench_nixl.py`` ``prep_rows``: vLLM's per-request
+#: ``make_prepped_xfer`` over 128 regions of 4 KiB blocks, 2026-12-02, the middle of three runs of 15-rep medians):
+#: (descriptors, seconds).  CPU work of the loading engine's worker, outside NIXL's transfer telemetry (timed from
+#: the post), so not in the seed's published transfer times; taken 1:1 for the seed's CPUs (both Sapphire Rapids
+#: class Xeons: this machine's cores report AMX and AVX512-FP16; a p5en.48xlarge has Xeon Platinum 8488C).
+NIXL_PREP_S = ((0, 0.0), (2_048, 0.07e-3), (8_192, 0.24e-3), (32_768, 0.92e-3), (65_536, 1.75e-3),
+               (131_072, 4.88e-3), (204_800, 14.93e-3))
+
+
+def nixl_prep(descriptors: int) -> float:
+    """Seconds to prepare one READ of ``descriptors`` descriptors: :data:`NIXL_PREP_S` interpolated linearly, past
+    its last row at that row's seconds per descriptor."""
+    if descriptors <= 0:
+        return 0.0
+    for (n0, t0), (n1, t1) in itertools.pairwise(NIXL_PREP_S):
+        if descriptors <= n1:
+            return t0 + (t1 - t0) * (descriptors - n0) / (n1 - n0)
+    n, t = NIXL_PREP_S[-1]
+    return t * descriptors / n
 
 
 class SeedCurves(msgspec.Struct, frozen=True):
     """One model's published seed-000 curves: TTFT seconds by context tokens, and its KV shape.
 
     transfer: the seed's published D -> P KV-transfer time (s) at its first and
-    last point (the P node's "KV Transfer metrics" averages)."""
+    last point (the P node's "KV Transfer metrics" averages).  nixl_regions /
+    engine_block: the NIXL regions a tensor-parallel rank registers (vLLM's
+    NixlConnector: K and V of every layer, or one per layer for MLA) and the
+    engine's block size in tokens; a READ of b blocks has regions x b
+    descriptors."""
 
     name: str
     off: dict[int, float]
@@ -119,14 +145,19 @@ class SeedCurves(msgspec.Struct, frozen=True):
     kv_bytes_per_token: float
     attention_ratio: float
     transfer: dict[int, float] = {}
+    nixl_regions: int = 0
+    engine_block: int = 16
 
 
-#: Qwen3-32B, 1P1D, prefix caching off on P: 64 layers x 8 KV heads x 128 x bf16 x K,V.
+#: Qwen3-32B, 1P1D, prefix caching off on P: 64 layers x 8 KV heads x 128 x bf16 x K,V; vLLM's CUDA default
+#: block of 16 tokens; 128 NIXL regions (K and V per layer).
 QWEN3_32B = SeedCurves("Qwen3-32B", {2000: 0.158, 24000: 0.778}, {2000: 0.122, 24000: 0.460},
-                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9), {2000: 0.030, 24000: 0.130})
-#: GLM-5-FP8: MLA latent 512 + 64 per layer, 78 layers, FP8 (the advisor's assumption); sparse attention.
+                       262_144.0, 4 * 64 * 64 * 128 / (2 * 32.8e9), {2000: 0.030, 24000: 0.130},
+                       nixl_regions=128, engine_block=16)
+#: GLM-5-FP8: MLA latent 512 + 64 per layer, 78 layers, FP8 (the advisor's assumption); sparse attention; MLA's
+#: 64-token blocks, one NIXL region per layer (assumed; its indexer cache not counted).
 GLM5_FP8 = SeedCurves("GLM-5-FP8", {2000: 0.500, 20000: 2.334}, {2000: 0.358, 20000: 0.702},
-                      78 * 576 * 1.0, 0.0, {2000: 0.029, 20000: 0.110})
+                      78 * 576 * 1.0, 0.0, {2000: 0.029, 20000: 0.110}, nixl_regions=78, engine_block=64)
 PUBLISHED = {c.name: c for c in (QWEN3_32B, GLM5_FP8)}
 
 
@@ -169,14 +200,20 @@ class PDModel(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_token: float
     latency: float = NIXL_LATENCY_S
     bandwidth: float = SEED_LINK_BYTES_PER_S
+    nixl_regions: int = 0
+    engine_block: int = 16
 
     def prefill(self, n: int, context: int = 0) -> float:
         """Seconds to compute ``n`` tokens after ``context`` tokens whose KV is present."""
         return self.alpha * (n + self.k * (n * context + n * n / 2))
 
     def xfer(self, tokens: int) -> float:
-        """Seconds for one NIXL READ of ``tokens`` tokens of KV (0 for none)."""
-        return self.latency + tokens * self.kv_bytes_per_token / self.bandwidth if tokens > 0 else 0.0
+        """Seconds for one NIXL READ of ``tokens`` tokens of KV (0 for none): its descriptors' preparation
+        (:func:`nixl_prep`; none without ``nixl_regions``), then latency + bytes / bandwidth."""
+        if tokens <= 0:
+            return 0.0
+        prep = nixl_prep(self.nixl_regions * -(-tokens // self.engine_block))
+        return prep + self.latency + tokens * self.kv_bytes_per_token / self.bandwidth
 
     def turn(self, prompt: int, local: int, pulled: int, decode_cached: int) -> float:
         """TTFT of one turn: P pulls ``pulled``, computes the rest after ``local + pulled``, D pulls what it lacks."""
@@ -419,7 +456,8 @@ def calibrate(curves: SeedCurves, new_fraction: float | None = None, output: int
     D's pulls, both averaged like the point): G and X come from two probe runs
     (alpha 1 and alpha 0; the plans do not depend on the costs), then the two
     published points give c0 and alpha exactly."""
-    probe = PDModel(c0=0.0, alpha=1.0, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
+    probe = PDModel(c0=0.0, alpha=1.0, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token,
+                    nixl_regions=curves.nixl_regions, engine_block=curves.engine_block)
     kw = dict(new_fraction=new_fraction, output=output, structure=structure, block_size=block_size)
     pts = sorted(curves.off)
     one = run_policy(probe, "off", pts, **kw)
@@ -1059,7 +1097,8 @@ def published_link(curves: SeedCurves, *, structure: TurnStructure = SEED_TURNS,
     """(latency s, bandwidth bytes/s) of a NIXL READ such that the model's mean D -> P pull at the seed's first
     and last point takes the seed's published transfer time there (the tokens per pull from the planner's
     decisions in :func:`run_benchmark`; the costs do not change them)."""
-    probe = PDModel(c0=0.0, alpha=1e-5, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token)
+    probe = PDModel(c0=0.0, alpha=1e-5, k=curves.attention_ratio, kv_bytes_per_token=curves.kv_bytes_per_token,
+                    nixl_regions=curves.nixl_regions, engine_block=curves.engine_block)
     (x1, t1), (x2, t2) = sorted(curves.transfer.items())
     mean = []
     for x in (x1, x2):
