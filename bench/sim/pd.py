@@ -109,12 +109,13 @@ NIXL_LATENCY_S = 17e-6
 #: The seed's link: (130 - 30) ms for 22,000 tokens of 262,144 bytes.
 SEED_LINK_BYTES_PER_S = 22_000 * 262_144 / 0.100
 #: NIXL descriptor preparation per READ measured here (``bench/bench_nixl.py`` ``prep_rows``: vLLM's per-request
-#: ``make_prepped_xfer`` over 128 regions of 4 KiB blocks, 2026-12-02, the middle of three runs of 15-rep medians):
-#: (descriptors, seconds).  CPU work of the loading engine's worker, outside NIXL's transfer telemetry (timed from
-#: the post), so not in the seed's published transfer times; taken 1:1 for the seed's CPUs (both Sapphire Rapids
-#: class Xeons: this machine's cores report AMX and AVX512-FP16; a p5en.48xlarge has Xeon Platinum 8488C).
-NIXL_PREP_S = ((0, 0.0), (2_048, 0.07e-3), (8_192, 0.24e-3), (32_768, 0.92e-3), (65_536, 1.75e-3),
-               (131_072, 4.88e-3), (204_800, 14.93e-3))
+#: ``make_prepped_xfer`` over 128 regions of 4 KiB blocks; 2026-12-02, the median over ten runs of each run's 15-rep
+#: median, bench/sim/README.md; at 204,800 descriptors the runs gave 6.2-17.0 ms): (descriptors, seconds).  CPU work
+#: of the loading engine's worker, outside NIXL's transfer telemetry (timed from the post), so not in the seed's
+#: published transfer times; taken 1:1 for the seed's CPUs (both Sapphire Rapids class Xeons: this machine's cores
+#: report AMX and AVX512-FP16; a p5en.48xlarge has Xeon Platinum 8488C).
+NIXL_PREP_S = ((0, 0.0), (2_048, 0.065e-3), (8_192, 0.251e-3), (32_768, 0.998e-3), (65_536, 1.860e-3),
+               (131_072, 6.16e-3), (204_800, 9.94e-3))
 
 
 def nixl_prep(descriptors: int) -> float:
@@ -715,8 +716,10 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     n + 2 and computed one step later than without it; an engine with nothing
     else to plan takes it at once.  READs still start when the step that carries
     them is launched (the worker picks it up as soon as the previous step is
-    launched).  Off by default: it moves the prediction away from the seed's
-    points (bench/sim/README.md).
+    launched).  On by default, as in the seed's engines (vLLM 0.32's
+    ``VllmConfig`` enables it unless pooling, pipeline parallelism, an executor
+    or a speculative method without support rules it out; a KV connector does
+    not).
     """
 
     num_clients: int = 2
@@ -728,7 +731,7 @@ class BenchClients(msgspec.Struct, frozen=True, kw_only=True):
     tpot: float = 0.007
     start_skew: float = 0.0
     aligned_loads: bool = True
-    async_scheduling: bool = False
+    async_scheduling: bool = True
 
 
 #: Seed 000's benchmark clients (see :class:`BenchClients`).
@@ -1271,7 +1274,8 @@ def bench_table(res: BenchResult) -> str:
         f"Benchmark clients as the seed ran them: {c.num_clients} clients, {c.max_active_conversations} active "
         f"conversations, {c.num_conversations} conversations, early stop {'on' if c.early_stop else 'off'}, "
         f"max_num_seqs {c.max_num_seqs}, token budget {c.max_num_batched_tokens:,}, D step {c.tpot * 1e3:.0f} ms, "
-        f"connector loads {'aligned to the engine steps' if c.aligned_loads else 'beside the steps'}.",
+        f"connector loads {'aligned to the engine steps' if c.aligned_loads else 'beside the steps'}, "
+        f"asynchronous scheduling {'on' if c.async_scheduling else 'off'}.",
         "",
         "| model | c0 ms | alpha us/token | on-curve error at each published point |",
         "|---|---|---|---|",
