@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import platform
 import subprocess
@@ -13,11 +12,12 @@ import pytest
 
 from examples.vllm_fleet.fleet import ENGINE_SITE, VllmFleet
 
+# what the process imported as sitecustomize (if anything) and the AMX state it may use (ARCH_GET_XCOMP_PERM)
 PROBE = """
-import ctypes, sitecustomize
+import ctypes, sys
 mask = ctypes.c_uint64(0)
-rc = ctypes.CDLL(None, use_errno=True).syscall(158, 0x1022, ctypes.byref(mask))  # ARCH_GET_XCOMP_PERM
-print(sitecustomize.__file__, rc, int(mask.value))
+rc = ctypes.CDLL(None, use_errno=True).syscall(158, 0x1022, ctypes.byref(mask))
+print(getattr(sys.modules.get("sitecustomize"), "__file__", "none"), rc, int(mask.value))
 """
 
 
@@ -49,7 +49,7 @@ def test_a_process_started_with_the_hook_holds_the_amx_permission():
     if _has_amx():
         assert int(rc) == 0 and int(mask) & (1 << 18), out.stdout  # XFEATURE_XTILEDATA permitted
     # without the hook a fresh process has not asked for it
-    bare = subprocess.run([sys.executable, "-c", PROBE.replace("import ctypes, sitecustomize", "import ctypes\n"
-                           "class sitecustomize: __file__ = 'none'")], capture_output=True, text=True, check=True)
+    bare_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bare = subprocess.run([sys.executable, "-c", PROBE], env=bare_env, capture_output=True, text=True, check=True)
     if _has_amx():
         assert not int(bare.stdout.split()[2]) & (1 << 18), bare.stdout
