@@ -172,10 +172,29 @@ class Indexer:
     # -- lifecycle
 
     def start(self) -> Indexer:
-        """Start the pool workers and the subscriber (opens the ZMQ sockets)."""
+        """Start the pool workers and the subscriber (opens the ZMQ sockets).
+
+        Returns once every engine subscription is up, or after
+        ``kv_events_config.connect_timeout`` seconds (a warning names the
+        engines still down; they are subscribed to in the background).  A
+        :meth:`flush` then covers the engines' bootstrap replays.
+        """
         self.pool.start()
         self.subscriber.start()
+        wait = self.config.kv_events_config.connect_timeout
+        if wait > 0 and not self.subscriber.wait_connected(wait):
+            down = sorted({pod for (pod, _rank), up in self.subscriber.connected().items() if not up})
+            log.warning("KV-event publishers not up after %.1f s (subscribing in the background): %s", wait, down)
         return self
+
+    def wait_connected(self, timeout: float = 10.0) -> bool:
+        """Block until every engine subscription has been up at least once; False after ``timeout`` s.
+
+        A router calls it (then :meth:`flush`) before its first request, so
+        the first request's events are not published before we subscribed.
+        See :meth:`kvevents.subscriber.Subscriber.wait_connected`.
+        """
+        return self.subscriber.wait_connected(timeout)
 
     def stop(self) -> None:
         """Stop receiving, then stop the workers after what is queued."""
@@ -482,7 +501,7 @@ class Indexer:
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until everything queued on the write path so far (including the
-        replay from seq 0 asked on connecting to engines) is applied. False on timeout."""
+        replay from seq 0 asked once connected to engines: see :meth:`wait_connected`) is applied. False on timeout."""
         return self.pool.flush(timeout)
 
     def wait_for(self, messages: int, timeout: float = 10.0) -> bool:

@@ -5,9 +5,13 @@ vLLM 0.32: an endpoint with ``*``, ``::``, ``ipc://`` or ``inproc://`` is bound
 by the engine, any other is connected to):
 
 - connect mode: one SUB socket per engine endpoint (:class:`EngineEndpoint`),
-  the engines bind.  On connecting to an engine with a replay endpoint the
-  pool is asked to replay from seq 0, so an index started after its engines
-  rebuilds what they still buffer.
+  the engines bind.  Once the connection to an engine with a replay endpoint
+  is up (its ZMTP handshake done, so the subscription is on its way to the
+  publisher), the pool is asked to replay from seq 0: an index started after
+  its engines rebuilds what they still buffer, and a batch the engine
+  published before our subscription took effect is in that replay.  Asking
+  before the connection is up would lose such a batch until the engine's
+  next message revealed the gap (ZMQ's "slow joiner").
 - bind mode: one SUB socket bound at ``bind``, engines configured with that
   address dial in; the pod comes from each message's topic ``kv@<pod>@<model>``
   and replay endpoints are looked up per pod in ``bind_replay``.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from urllib.parse import urlsplit
 
@@ -98,6 +103,19 @@ def offset_port(endpoint: str, offset: int) -> str:
     return f"{parts.scheme}://{host}:{parts.port + offset}"
 
 
+class _Link:
+    """One connect-mode subscription as its connection monitor sees it."""
+
+    __slots__ = ("sock", "pod", "rank", "bootstrap", "up")
+
+    def __init__(self, sock: zmq.Socket, pod: str, rank: int, bootstrap: Source | None) -> None:
+        self.sock = sock
+        self.pod = pod
+        self.rank = rank
+        self.bootstrap = bootstrap  # the source to replay from once the handshake is done (None: no replay)
+        self.up = False  # the handshake has completed at least once
+
+
 class Subscriber:
     """Receives engine KV events over ZMQ and submits them to an :class:`EventPool`.
 
@@ -147,8 +165,9 @@ class Subscriber:
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._monitors: dict[zmq.Socket, tuple[zmq.Socket, str, int]] = {}
+        self._monitors: dict[zmq.Socket, _Link] = {}
         self._dropped: set[zmq.Socket] = set()  # monitors whose socket lost its connection
+        self._links_lock = threading.Lock()
         self.received = 0
         self.disconnects = 0
 
@@ -207,20 +226,23 @@ class Subscriber:
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
             sock.setsockopt(zmq.SUBSCRIBE, eng.topic.encode())
+            # monitored before connecting, so the first handshake is seen: it starts the stream
+            # (bootstrap); a dropped connection may be an engine restart: the pool checks the
+            # engine when the connection is back
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:
+                sock.disable_monitor()
+                monitor.close(linger=0)
                 sock.close(linger=0)
                 raise
             source = Source(pod=eng.pod, engine=eng.engine, replay=replay, dp_rank=rank, model=eng.model)
             sockets[sock] = source
             owners.setdefault(eng.pod, []).append(sock)
-            # a dropped connection may be an engine restart: the pool checks the next message
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
-            self._monitors[monitor] = (sock, eng.pod, rank)
+            with self._links_lock:
+                self._monitors[monitor] = _Link(sock, eng.pod, rank, source if replay is not None else None)
             owners[eng.pod].append(monitor)
-            if replay is not None:
-                self.pool.bootstrap(source, eng.pod, rank)
 
     def _run(self) -> None:
         sockets: dict[zmq.Socket, Source] = {}
@@ -266,14 +288,14 @@ class Subscriber:
                             continue
                         submit(RawMessage(source, frames[0], frames[1], frames[2]))
         finally:
-            for mon, (s, _pod, _rank) in list(self._monitors.items()):
+            for mon in list(self._monitors):
                 self._close_monitor(mon)
             for s in sockets:
                 s.close(linger=0)
 
     def _on_monitor(self, mon: zmq.Socket) -> None:
-        entry = self._monitors.get(mon)
-        if entry is None:
+        link = self._monitors.get(mon)
+        if link is None:
             return
         try:
             while mon.poll(0):
@@ -281,21 +303,54 @@ class Subscriber:
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self.disconnects += 1
                     self._dropped.add(mon)
-                    self.pool.disconnected(entry[1], entry[2])
-                elif event["event"] == zmq.EVENT_CONNECTED and mon in self._dropped:
-                    self._dropped.discard(mon)
-                    self.pool.reconnected(entry[1], entry[2])
+                    self.pool.disconnected(link.pod, link.rank)
+                elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if not link.up:
+                        if link.bootstrap is not None:  # queued before up is seen: a flush after waiting covers it
+                            self.pool.bootstrap(link.bootstrap, link.pod, link.rank)
+                        link.up = True
+                    elif mon in self._dropped:
+                        self._dropped.discard(mon)
+                        self.pool.reconnected(link.pod, link.rank)
         except zmq.ZMQError as exc:
-            log.warning("socket monitor for %s failed: %s", entry[1], exc)
+            log.warning("socket monitor for %s failed: %s", link.pod, exc)
 
     def _close_monitor(self, mon: zmq.Socket) -> None:
-        sock = self._monitors.pop(mon)[0]
+        with self._links_lock:
+            sock = self._monitors.pop(mon).sock
         self._dropped.discard(mon)
         try:
             sock.disable_monitor()
         except zmq.ZMQError:
             pass
         mon.close(linger=0)
+
+    def connected(self) -> dict[tuple[str, int], bool]:
+        """(pod, dp_rank) -> whether that connect-mode subscription has been up at least once.
+
+        Up means ZMQ's handshake with the engine's publisher completed.  Bind
+        mode has no entry (the engines dial in).
+        """
+        with self._links_lock:
+            return {(link.pod, link.rank): link.up for link in self._monitors.values()}
+
+    def wait_connected(self, timeout: float = 10.0, poll: float = 0.01) -> bool:
+        """Block until every connect-mode subscription has been up at least once (see :meth:`connected`).
+
+        Returns False after ``timeout`` seconds if some engine's publisher has
+        not answered (not started yet, unreachable); the subscriber keeps
+        trying in the background either way.  Events an engine publishes
+        before its subscription is up reach the index only through its
+        replay endpoint (bootstrap) or, without one, not at all: a router can
+        wait here before its first request.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if all(self.connected().values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
 
     def _drain_commands(
         self, sockets: dict[zmq.Socket, Source], owners: dict[str, list[zmq.Socket]], poller: zmq.Poller

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence, Set
 from typing import Any
@@ -505,6 +506,99 @@ def test_subscriber_started_late_rebuilds_from_replay(make_rig: Callable[..., Ri
     assert s.messages == 0
     assert s.replay_requests == 1 and s.replayed_batches == published
     rig.check(e)
+
+
+class SlowLink:
+    """A loopback TCP relay that holds each new connection ``delay`` seconds before linking it to
+    ``upstream``: a subscription whose handshake is slow, as on a loaded machine."""
+
+    def __init__(self, upstream: str, delay: float) -> None:
+        host, port = upstream.removeprefix("tcp://").rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.delay = delay
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.closed = False
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._link, args=(client,), daemon=True).start()
+
+    def _link(self, client: socket.socket) -> None:
+        time.sleep(self.delay)
+        try:
+            up = socket.create_connection(self.upstream)
+        except OSError:
+            client.close()
+            return
+        self.socks += [client, up]
+        for a, b in ((client, up), (up, client)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.server.close()
+        for s in self.socks:
+            s.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_published_while_the_subscription_is_joining_is_indexed(make_rig: Callable[..., Rig], mode: str) -> None:
+    """ZMQ's slow joiner: the engine serves a request after the subscriber started but before its
+    subscription reached the publisher (the handshake is slowed to 0.5 s), and then stays idle.
+    No later message reveals the loss, so the bootstrap replay must be asked once the connection is
+    up: one asked on connecting finds the buffer still empty."""
+    rig = make_rig(mode)
+    e = rig.engine("pod-a", capacity=24)
+    link = SlowLink(e.endpoint, delay=0.5)
+    try:
+        ep = EngineEndpoint(endpoint=link.endpoint, pod=e.pod, replay_endpoint=e.replay_endpoint, model=MODEL)
+        rig.sub = sub = Subscriber(rig.pool, [ep])
+        sub.start()
+        time.sleep(0.1)  # a replay asked on connecting has been answered by now (an empty buffer)
+        rig.serve(e, Prompts(700).next())  # lost live: the subscription is not up yet
+        assert sub.wait_connected(10.0) and sub.connected() == {(e.pod, 0): True}
+        rig.sync(e)  # the engine publishes nothing more: only the bootstrap replay can bring it
+        rig.check(e)
+        assert rig.index.pod_keys(e.pod), "the request's blocks never reached the index"
+    finally:
+        link.close()
+
+
+def test_wait_connected_is_bounded_when_an_engine_is_not_up(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig("chain")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    sub = Subscriber(rig.pool, [EngineEndpoint(endpoint=f"tcp://127.0.0.1:{port}", pod="down", model=MODEL)])
+    sub.start()
+    try:
+        t0 = time.monotonic()
+        assert sub.wait_connected(0.3) is False
+        assert time.monotonic() - t0 < 5.0
+        assert sub.connected() == {("down", 0): False}
+    finally:
+        sub.stop()
 
 
 # ---------------------------------------------------------------- 5. orphans

@@ -512,7 +512,7 @@ class Router:
                     quiet_requests=self.config.heal_quiet_requests,
                     max_requests=self.config.heal_max_requests,
                 )
-            await asyncio.to_thread(self.indexer.start)
+            await asyncio.to_thread(self.indexer.start)  # returns once subscribed (bounded)
             await asyncio.to_thread(self.indexer.flush, 10.0)
             await self.refresh_loads()
         except BaseException:

@@ -93,6 +93,8 @@ class PDTurn(msgspec.Struct, kw_only=True):
     retained_tokens: D's ``remote_num_tokens`` for the next turn (0: none).
     prefill_ms, decode_ms, total_ms: leg durations; ttft_ms = the time until
         P answered (the first token is P's).
+    fallback_error: the start of P's error answer (at most 500 bytes) when
+        a pull failed and was recomputed ("" otherwise).
     """
 
     id: int
@@ -106,6 +108,7 @@ class PDTurn(msgspec.Struct, kw_only=True):
     decode_ms: float = 0.0
     total_ms: float = 0.0
     ttft_ms: float = 0.0
+    fallback_error: str = ""
 
 
 def make_retained_store(indexer: Indexer, ttl: float) -> RetainedStore | RedisRetainedStore:
@@ -236,6 +239,7 @@ class PDRouter(Router):
             cause = "prefill_unreachable" if p_status == 502 else f"prefill_http_{p_status}"
             plan = self.planner.fallback(plan, cause)
             turn.plan = plan
+            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
             self.m_pd_fallbacks.labels(cause).inc()
             p_status, p_raw = await self._prefill(plan, body, path, headers, chat)
         turn.prefill_status = p_status

@@ -84,9 +84,12 @@ def _engine_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     """Print the engines' log tails into the report of a failed test."""
     yield
     rep = getattr(request.node, "_rep_call", None)
-    if rep is not None and rep.failed and "vllm_fleet" in request.fixturenames:
-        fleet: VllmFleet = request.getfixturevalue("vllm_fleet")
-        print(f"engine logs:\n{fleet.log_tails(80)}", file=sys.stderr)
+    if rep is None or not rep.failed:
+        return
+    for name in ("vllm_fleet", "pd_fleet", "small_fleet"):  # the engine fixtures of tests/real
+        if name in request.fixturenames:
+            fleet: VllmFleet = request.getfixturevalue(name)
+            print(f"engine logs:\n{fleet.log_tails(80)}", file=sys.stderr)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]

@@ -97,8 +97,9 @@ def max_diff(a: dict[str, float], b: dict[str, float]) -> float:
 async def two_turns(
     session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0,
     between: Callable[[], Awaitable[None]] | None = None,
-) -> tuple[Turn, Turn, list[int], list[int]]:
-    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens.
+) -> tuple[Turn, Turn, list[int], list[int], float]:
+    """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens;
+    the last item is the seconds from turn 1's end to turn 2's start (D's TTL runs meanwhile).
 
     ``between``: other conversations to run between the turns; ``wait``: turn 2 starts at least
     this many seconds after turn 1 ended (the time ``between`` took counts)."""
@@ -123,8 +124,9 @@ async def two_turns(
     left = wait - (time.monotonic() - t1_done)
     if left > 0:
         await asyncio.sleep(left)
+    gap = time.monotonic() - t1_done
     t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
-    return t1, t2, retained, prompt2
+    return t1, t2, retained, prompt2, gap
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -141,7 +143,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                 async def edits(rr: RunningRouter = rr, guard: bool = guard) -> None:
                     for edit in ("none", "strip", "change") if guard else ("strip", "change"):
                         cid = f"{edit}-{'guard' if guard else 'noguard'}"
-                        t1, t2, retained, prompt2 = await two_turns(session, rr, fleet, cid, edit)
+                        t1, t2, retained, prompt2, gap = await two_turns(session, rr, fleet, cid, edit)
                         pd = rr.router.turns[-1]
                         ref = await reference_top(session, fleet, prompt2)
                         out[cid] = {
@@ -154,6 +156,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                             "prompt2": len(prompt2),
                             "ref": ref,
                             "diff": max_diff(t2.top_logprobs, ref),
+                            "gap": gap,
                         }
 
                 if not guard:
@@ -161,7 +164,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                 else:
                     # (c1) D expires the entry before turn 2 (the router still offers it: its own TTL is
                     # longer); the other conversations run while D's TTL runs down
-                    _, t2, _, _ = await two_turns(
+                    _, t2, _, _, _ = await two_turns(
                         session, rr, fleet, "expired", "none", wait=D_TTL - 2, between=edits
                     )
                     out["expired"] = {"t2": t2, "pd": rr.router.turns[-1]}
@@ -211,7 +214,9 @@ def test_a_turn2_pulls_and_prediction_matches_engine(
             f"computed {t2.d_computed}"
         )
     assert t1.headers["x-kvindex-pd-action"] == "recompute"
-    assert t2.status == 200 and plan.action == "pull", plan.explain()
+    assert t2.status == 200 and plan.action == "pull", (
+        f"{plan.explain()}\nP answered: {r['pd'].fallback_error}\nturn 2 began {r['gap']:.1f} s after turn 1"
+    )
     assert t2.headers["x-kvindex-pd-action"] == "pull"
     # the engines' own counters: P loaded exactly what the router predicted, from D
     assert t2.p_external == plan.pulled_tokens > 0, (t2.p_external, plan.explain())
@@ -254,7 +259,9 @@ def test_b_guard_keeps_answers_right_when_history_is_edited(
     assert on["diff"] <= TOLERANCE, (on["t2"].top_logprobs, on["ref"])
     # unguarded: P loads KV for tokens the client did not send
     reused_off = off["t2"].p_external + off["t2"].p_local_hit
-    assert off["plan"].action == "pull", off["plan"].explain()
+    assert off["plan"].action == "pull", (
+        f"{off['plan'].explain()}\nP answered: {off['pd'].fallback_error}\nturn 2 began {off['gap']:.1f} s after turn 1"
+    )
     assert reused_off > off["common"], (reused_off, off["common"])
     with capsys.disabled():
         print(
