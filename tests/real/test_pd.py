@@ -206,7 +206,7 @@ def test_a_turn2_pulls_and_prediction_matches_engine(
         print(
             f"\n[P/D pull] pulled {t2.p_external} (predicted {plan.pulled_tokens}), local {t2.p_local_hit} "
             f"(predicted {plan.local_tokens}), logprob diff vs recompute {r['diff']:.4f}, "
-            f"TTFT {r['pd'].ttft_ms:.0f} ms\n[P/D pull] request_prefill_kv_computed_tokens: turn 1 "
+            f"TTFT {r['pd'].ttft_ms:.0f} ms, turn 2 {r['gap']:.1f} s after turn 1\n[P/D pull] request_prefill_kv_computed_tokens: turn 1 "
             f"D {t1.d_kv_computed} (n={t1.d_kv_computed_requests}), P computed {t1.p_computed}; turn 2 (prompt "
             f"{r['prompt2']}) D {t2.d_kv_computed} (n={t2.d_kv_computed_requests}), P {t2.p_kv_computed} "
             f"(n={t2.p_kv_computed_requests}), predicted {predicted_computed}, P computed {t2.p_computed}; "
