@@ -308,6 +308,7 @@ class _Disconnected(NamedTuple):
 class _Reconnected(NamedTuple):
     pod: str
     dp_rank: int
+    source: Source | None = None  # to bootstrap from when nothing applied is left to check
 
 
 _STOP = object()
@@ -439,8 +440,14 @@ class _Shard:
             for st in self._streams_of(item.pod, item.dp_rank):
                 self._run(st, st.seq.disconnected())
         elif isinstance(item, _Reconnected):
-            for st in self._streams_of(item.pod, item.dp_rank):
+            streams = self._streams_of(item.pod, item.dp_rank)
+            fresh = all(st.seq.last is None for st in streams)  # nothing applied (yet, or since a restart)
+            for st in streams:
                 self._run(st, st.seq.reconnected())
+            if fresh and item.source is not None:
+                # nothing to check against the engine, and what it published while we rejoined
+                # (a restarted engine's first batches) is only in its buffer: take it from there
+                self._bootstrap(_Bootstrap(item.source, item.pod, item.dp_rank))
         elif isinstance(item, _Forget):
             self.boot_at = [b for b in self.boot_at if b[2].pod != item.pod]
             for key in [k for k in self.streams if k[0] == item.pod]:
@@ -1004,14 +1011,18 @@ class EventPool:
         """
         self._shards[self.shard_of(pod)].queue.put(_Disconnected(pod, dp_rank))
 
-    def reconnected(self, pod: str, dp_rank: int = 0) -> None:
+    def reconnected(self, pod: str, dp_rank: int = 0, source: Source | None = None) -> None:
         """Note that the connection to (pod, dp_rank)'s publisher is back after a drop.
 
         With a replay endpoint the shard asks the engine at once whether it is
         the process we knew (see ``_on_reconnected``), so a restarted engine's
-        old blocks leave the index before it publishes anything.
+        old blocks leave the index before it publishes anything.  A stream
+        with nothing applied (none yet, or cleared by a restart) has nothing
+        to check: with ``source`` (its replay endpoint) it is bootstrapped
+        again, so batches the engine published while the connection was
+        rejoining are not lost when it then stays idle.
         """
-        self._shards[self.shard_of(pod)].queue.put(_Reconnected(pod, dp_rank))
+        self._shards[self.shard_of(pod)].queue.put(_Reconnected(pod, dp_rank, source))
 
     def forget_pod(self, pod: str) -> None:
         """Queue the removal of a pod: its streams and all its index entries."""

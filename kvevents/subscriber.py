@@ -168,6 +168,7 @@ class Subscriber:
         self._monitors: dict[zmq.Socket, _Link] = {}
         self._dropped: set[zmq.Socket] = set()  # monitors whose socket lost its connection
         self._links_lock = threading.Lock()
+        self._pending: dict[str, EngineEndpoint] = {}  # added, not yet opened by the subscriber thread
         self.received = 0
         self.disconnects = 0
 
@@ -201,11 +202,16 @@ class Subscriber:
         self._ready.clear()
 
     def add_engine(self, engine: EngineEndpoint) -> None:
-        """Subscribe to one more engine (takes effect within one poll interval)."""
+        """Subscribe to one more engine (takes effect within one poll interval; :meth:`wait_connected`
+        waits for it too)."""
+        with self._links_lock:
+            self._pending[engine.pod] = engine
         self._commands.put(("add", engine))
 
     def remove_engine(self, pod: str) -> None:
         """Unsubscribe from ``pod`` and remove all its blocks from the index."""
+        with self._links_lock:
+            self._pending.pop(pod, None)
         self._commands.put(("remove", pod))
 
     # -- thread
@@ -311,7 +317,7 @@ class Subscriber:
                         link.up = True
                     elif mon in self._dropped:
                         self._dropped.discard(mon)
-                        self.pool.reconnected(link.pod, link.rank)
+                        self.pool.reconnected(link.pod, link.rank, link.bootstrap)
         except zmq.ZMQError as exc:
             log.warning("socket monitor for %s failed: %s", link.pod, exc)
 
@@ -328,11 +334,14 @@ class Subscriber:
     def connected(self) -> dict[tuple[str, int], bool]:
         """(pod, dp_rank) -> whether that connect-mode subscription has been up at least once.
 
-        Up means ZMQ's handshake with the engine's publisher completed.  Bind
-        mode has no entry (the engines dial in).
+        Up means ZMQ's handshake with the engine's publisher completed; an
+        engine added with :meth:`add_engine` counts as not up until then.
+        Bind mode has no entry (the engines dial in).
         """
         with self._links_lock:
-            return {(link.pod, link.rank): link.up for link in self._monitors.values()}
+            out = {(pod, rank): False for pod, eng in self._pending.items() for rank, _ep, _rp in eng.ranks()}
+            out.update({(link.pod, link.rank): link.up for link in self._monitors.values()})
+            return out
 
     def wait_connected(self, timeout: float = 10.0, poll: float = 0.01) -> bool:
         """Block until every connect-mode subscription has been up at least once (see :meth:`connected`).
@@ -366,6 +375,10 @@ class Subscriber:
                     self._open(sockets, owners, arg)
                 except zmq.ZMQError as exc:
                     log.error("cannot subscribe to %s: %s", arg.endpoint, exc)
+                finally:
+                    with self._links_lock:
+                        if self._pending.get(arg.pod) is arg:
+                            del self._pending[arg.pod]
                 for s in (set(sockets) | set(self._monitors)) - before:
                     poller.register(s, zmq.POLLIN)
             elif cmd == "remove":

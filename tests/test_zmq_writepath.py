@@ -585,6 +585,49 @@ def test_batch_published_while_the_subscription_is_joining_is_indexed(make_rig: 
         link.close()
 
 
+@pytest.mark.parametrize("old_served", [False, True])
+def test_restarted_engine_serving_while_the_subscription_rejoins_is_indexed(
+    make_rig: Callable[..., Rig], old_served: bool
+) -> None:
+    """The engine restarts (a new process on the same address, seq from 0) once our subscription is
+    up, serves one request at once, while ZMQ is still reconnecting, and then stays idle.  Whether or
+    not the old process had published anything, the index must come to hold exactly the new process's
+    blocks: with nothing applied to check against the engine, the reconnect asks for its buffer."""
+    for attempt in range(3):
+        rig = make_rig("compat")
+        e = rig.engine(f"pod-{attempt}")
+        prompts = Prompts(800 + attempt)
+        if old_served:
+            rig.serve(e, prompts.next())
+        sub = rig.subscribe([e])
+        assert sub.wait_connected(30.0)
+        if old_served:
+            rig.sync(e)
+        e.restart()
+        rig.served[e.pod] = []
+        rig.serve(e, prompts.next())
+        wait_until(lambda: rig.index_view(e.pod) == rig.engine_view(e), f"attempt {attempt}: the new process's blocks")
+        assert rig.pool.flush(10)
+        rig.check(e)
+
+
+def test_wait_connected_waits_for_an_added_engine(make_rig: Callable[..., Rig]) -> None:
+    rig = make_rig("chain")
+    sub = rig.subscribe([])
+    assert sub.wait_connected(1.0)  # nothing to wait for
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sub.add_engine(EngineEndpoint(endpoint=f"tcp://127.0.0.1:{port}", pod="down", model=MODEL))
+    assert sub.connected() == {("down", 0): False}  # before the subscriber thread opened it
+    assert sub.wait_connected(0.3) is False
+    e = rig.engine("pod-a")
+    sub.add_engine(rig.endpoint_of(e))
+    sub.remove_engine("down")
+    assert sub.wait_connected(30.0)
+    assert sub.connected() == {("pod-a", 0): True}
+
+
 def test_wait_connected_is_bounded_when_an_engine_is_not_up(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig("chain")
     with socket.socket() as s:
