@@ -210,7 +210,7 @@ async def _demo(fleet: VllmFleet, turns: int = 4) -> None:
                     print(f"        (client strips 40 tokens of answer 1 at token {a + 20})")
                 history += [rng.randrange(3, 600) for _ in range(40)]
                 # let P's and D's KV events reach the index before the next turn
-                await router.wait_indexed(history[: len(history) - 40], fleet.engines[1].pod, timeout=5.0)
+                await router.wait_indexed(history[: len(history) - 40], fleet.engines[1].pod, timeout=30.0)
         s = router.planner.stats() if router.planner is not None else None
         print(f"\nplanner: {s}")
 

@@ -266,7 +266,7 @@ async def send_measured(
     Bounded waits: until the chosen engine's query counter has grown by the
     prompt's tokens (<= 10 s), and until the index holds the blocks the engine
     computed for the request (prompt + all generated tokens but the last) on
-    the chosen pod (<= 5 s), so the next request is scored on a caught-up index.
+    the chosen pod (<= 30 s: a loaded machine), so the next request is scored on a caught-up index.
     """
     before = await engine_counters(session, engines)
     async with session.post(router.url + path, json=body) as resp:
@@ -294,7 +294,7 @@ async def send_measured(
     if prompt_ids is None:
         prompt_ids, _ = await router.router.prompt_token_ids(path, body)
     computed = list(prompt_ids or []) + (answer.ids or [])[:-1]
-    indexed = await router.router.wait_indexed(computed, pod, timeout=5.0)
+    indexed = await router.router.wait_indexed(computed, pod, timeout=30.0)
 
     def delta(p: str, attr: str) -> int:
         return int((getattr(after[p], attr) or 0) - (getattr(before[p], attr) or 0))
