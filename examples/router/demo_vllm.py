@@ -264,7 +264,7 @@ async def send_measured(
     """Send one request through the router and attribute the engine's cache counters to it.
 
     Bounded waits: until the chosen engine's query counter has grown by the
-    prompt's tokens (<= 10 s), and until the index holds the blocks the engine
+    prompt's tokens (<= 30 s), and until the index holds the blocks the engine
     computed for the request (prompt + all generated tokens but the last) on
     the chosen pod (<= 30 s: a loaded machine), so the next request is scored on a caught-up index.
     """
@@ -282,7 +282,7 @@ async def send_measured(
     answer = read_answer(path, raw, stream)
 
     want_queries = answer.usage_prompt_tokens if answer.usage_prompt_tokens is not None else scored
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 30.0
     while True:
         after = await engine_counters(session, engines)
         grown = (after[pod].prefix_cache_queries or 0) - (before[pod].prefix_cache_queries or 0)
