@@ -156,7 +156,7 @@ class KVEventsConfig(_Base, frozen=True):
     engine subscription to be up (connect mode; 0: do not wait).  The
     bootstrap replay is asked once a subscription is up, so a ``flush()``
     after ``start()`` then covers what the engines buffer.  An engine still
-    down after it is subscribed to in the background (a warning is logged).
+    down by then is logged (a warning) and subscribed to in the background.
     """
 
     engines: list[EngineEndpoint] = msgspec.field(default_factory=list)

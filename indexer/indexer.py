@@ -190,9 +190,10 @@ class Indexer:
     def wait_connected(self, timeout: float = 10.0) -> bool:
         """Block until every engine subscription has been up at least once; False after ``timeout`` s.
 
-        A router calls it (then :meth:`flush`) before its first request, so
-        the first request's events are not published before we subscribed.
-        See :meth:`kvevents.subscriber.Subscriber.wait_connected`.
+        :meth:`start` already waits for the engines of the config; call this
+        (then :meth:`flush`) after :meth:`add_engine` to have a new engine's
+        buffered events before scoring on it.  See
+        :meth:`kvevents.subscriber.Subscriber.wait_connected`.
         """
         return self.subscriber.wait_connected(timeout)
 

@@ -106,7 +106,7 @@ def offset_port(endpoint: str, offset: int) -> str:
 class _Link:
     """One connect-mode subscription as its connection monitor sees it."""
 
-    __slots__ = ("sock", "pod", "rank", "bootstrap", "up")
+    __slots__ = ("sock", "pod", "rank", "bootstrap", "up", "dropped")
 
     def __init__(self, sock: zmq.Socket, pod: str, rank: int, bootstrap: Source | None) -> None:
         self.sock = sock
@@ -114,6 +114,7 @@ class _Link:
         self.rank = rank
         self.bootstrap = bootstrap  # the source to replay from once the handshake is done (None: no replay)
         self.up = False  # the handshake has completed at least once
+        self.dropped = False  # the connection dropped and is not back yet
 
 
 class Subscriber:
@@ -166,7 +167,6 @@ class Subscriber:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._monitors: dict[zmq.Socket, _Link] = {}
-        self._dropped: set[zmq.Socket] = set()  # monitors whose socket lost its connection
         self._links_lock = threading.Lock()
         self._pending: dict[str, EngineEndpoint] = {}  # added, not yet opened by the subscriber thread
         self.received = 0
@@ -308,15 +308,15 @@ class Subscriber:
                 event = recv_monitor_message(mon, zmq.NOBLOCK)
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self.disconnects += 1
-                    self._dropped.add(mon)
+                    link.dropped = True
                     self.pool.disconnected(link.pod, link.rank)
                 elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     if not link.up:
                         if link.bootstrap is not None:  # queued before up is seen: a flush after waiting covers it
                             self.pool.bootstrap(link.bootstrap, link.pod, link.rank)
                         link.up = True
-                    elif mon in self._dropped:
-                        self._dropped.discard(mon)
+                    elif link.dropped:
+                        link.dropped = False
                         self.pool.reconnected(link.pod, link.rank, link.bootstrap)
         except zmq.ZMQError as exc:
             log.warning("socket monitor for %s failed: %s", link.pod, exc)
@@ -324,7 +324,6 @@ class Subscriber:
     def _close_monitor(self, mon: zmq.Socket) -> None:
         with self._links_lock:
             sock = self._monitors.pop(mon).sock
-        self._dropped.discard(mon)
         try:
             sock.disable_monitor()
         except zmq.ZMQError:

@@ -153,8 +153,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                             # P failed a pull the router planned (the engine's answer and the timing are
                             # kept and printed): once more with a new conversation; a second failure stands
                             out["engine_failures"].append(
-                                {"cid": cid, "guard": guard, "error": pd.fallback_error, "gap": gap,
-                                 "explain": pd.plan.explain()}
+                                {"cid": cid, "guard": guard, "error": pd.fallback_error, "gap": gap}
                             )
                         ref = await reference_top(session, fleet, prompt2)
                         out[cid] = {
