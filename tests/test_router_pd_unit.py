@@ -88,3 +88,29 @@ def test_replicas_on_one_redis_share_the_retained_entries(redis_url):
         put = a.put("conv-r", "decode-0", d_params(len(tokens), "req-1"), tokens, keys)
         got = b.take("conv-r")
         assert got == put and a.take("conv-r") is None
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prefill_leg_drops_what_only_shapes_the_discarded_answer(chat):
+    """P's answer is thrown away (only its kv_transfer_params are kept): logprobs, prompt logprobs
+    (which make vLLM skip reading P's prefix cache) and echo are not sent to P; the client's body
+    is left as it was, for the D leg."""
+    from examples.router.pd import PREFILL_DROPPED_FIELDS, prefill_body
+
+    body = {
+        "model": "m", "prompt": [1, 2, 3], "max_tokens": 50, "min_tokens": 10, "temperature": 0.0,
+        "stream": True, "stream_options": {"include_usage": True}, "logprobs": True if chat else 5,
+        "top_logprobs": 5, "prompt_logprobs": 1, "echo": True, "seed": 7,
+    }
+    if chat:
+        body["max_completion_tokens"] = 50
+    before = dict(body)
+    params = {"do_remote_decode": True}
+    p = prefill_body(body, params, chat)
+    assert body == before
+    assert not set(PREFILL_DROPPED_FIELDS) & set(p)
+    assert p["kv_transfer_params"] is params and p["stream"] is False and p["max_tokens"] == 1
+    assert p.get("max_completion_tokens", 1) == 1 and ("max_completion_tokens" in p) == chat
+    assert {k: p[k] for k in ("model", "prompt", "temperature", "seed")} == {
+        k: body[k] for k in ("model", "prompt", "temperature", "seed")
+    }

@@ -14,7 +14,9 @@ One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
    and :meth:`PDPlanner.plan`: which P, which D, pull D's retained KV or
    recompute, and P's ``kv_transfer_params``.
 3. **P leg**: the body with ``max_tokens`` 1 (``max_completion_tokens`` 1 for
-   chat), ``stream`` false and the planned params.  If P fails on a pull
+   chat), ``stream`` false, the planned params, and without the fields that only
+   shape P's discarded answer (logprobs, prompt logprobs, echo: see
+   :data:`PREFILL_DROPPED_FIELDS`).  If P fails on a pull
    (HTTP 5xx: D's entry expired on D's clock and P declined it under the
    default ``kv_load_failure_policy`` "fail", or the D holding the blocks is
    unreachable: P answers 500 after ~5 s), P is asked once more without
@@ -62,7 +64,7 @@ from indexer import Indexer
 if TYPE_CHECKING:
     from connector.redis_retained import RedisRetainedStore
 
-__all__ = ["PDRouter", "PDTurn", "conversation_id_of"]
+__all__ = ["PDRouter", "PDTurn", "PREFILL_DROPPED_FIELDS", "conversation_id_of", "prefill_body"]
 
 log = logging.getLogger("kvindex.router.pd")
 
@@ -297,15 +299,7 @@ class PDRouter(Router):
     async def _prefill(
         self, plan: TurnPlan, body: dict[str, Any], path: str, headers: dict[str, str], chat: bool
     ) -> tuple[int, bytes]:
-        p_body = dict(body)
-        p_body["kv_transfer_params"] = plan.prefill_params
-        p_body["stream"] = False
-        p_body.pop("stream_options", None)
-        p_body["max_tokens"] = 1
-        if chat and "max_completion_tokens" in p_body:
-            p_body["max_completion_tokens"] = 1
-        p_body.pop("min_tokens", None)
-        return await self._post(plan.prefill_pod, path, p_body, headers)
+        return await self._post(plan.prefill_pod, path, prefill_body(body, plan.prefill_params, chat), headers)
 
     async def _stream_decode(
         self, request: web.Request, plan: TurnPlan, d_body: dict[str, Any], headers: dict[str, str], turn: PDTurn
@@ -392,6 +386,35 @@ def _output_token_ids(answer: dict[str, Any]) -> list[int] | None:
     if isinstance(ids, list) and all(type(t) is int for t in ids):
         return ids
     return None
+
+
+#: Request fields that only shape P's answer, which the router discards (it keeps P's
+#: ``kv_transfer_params``; the client gets D's answer).  Logprobs cost P a sampling pass
+#: (in vLLM 0.32 the first request asking for them also compiles the logprob kernel:
+#: ``Sampler.gather_logprobs`` under torch.compile, tens of seconds on a small CPU host), and
+#: ``prompt_logprobs`` makes vLLM skip reading the prefix cache for the request
+#: (``SamplingParams.skip_reading_prefix_cache`` defaults to ``prompt_logprobs is not None``),
+#: which would defeat the local hits the plan counts on.  ``echo`` returns the prompt (with
+#: its logprobs when asked).
+PREFILL_DROPPED_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "min_tokens", "stream_options")
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The P leg's request body: ``body`` (the client's, unchanged) with P's ``kv_transfer_params``,
+    one output token, no streaming and none of :data:`PREFILL_DROPPED_FIELDS`.
+
+    Args:
+        body: the client's JSON body (``/v1/completions`` or ``/v1/chat/completions``).
+        params: the planned ``kv_transfer_params`` for P (a pull from D, or a plain prefill).
+        chat: whether the body is a chat completion (``max_completion_tokens`` is capped too).
+    """
+    p_body = {k: v for k, v in body.items() if k not in PREFILL_DROPPED_FIELDS}
+    p_body["kv_transfer_params"] = params
+    p_body["stream"] = False
+    p_body["max_tokens"] = 1
+    if chat and "max_completion_tokens" in p_body:
+        p_body["max_completion_tokens"] = 1
+    return p_body
 
 
 def _strip_answer(answer: dict[str, Any], *, keep_ids: bool) -> None:
