@@ -89,9 +89,31 @@ __all__ = [
     "RunningRouter",
     "load_router_config",
     "parse_engine_arg",
+    "reads_prefix_cache",
 ]
 
 log = logging.getLogger("kvindex.router")
+
+
+def reads_prefix_cache(path: str, body: Mapping[str, Any]) -> bool:
+    """Whether vLLM (0.32) looks up its prefix cache for this request body.
+
+    Not when the request computes prompt logprobs: ``SamplingParams.skip_reading_prefix_cache``
+    defaults to ``prompt_logprobs is not None`` (vllm/sampling_params.py), and the OpenAI layer
+    sets ``prompt_logprobs`` from the body's ``prompt_logprobs``, else, with ``echo``, from
+    ``logprobs`` (``/v1/completions``) or ``top_logprobs`` (``/v1/chat/completions``, where it
+    defaults to 0, so a chat request with ``echo`` alone skips the cache too); see
+    ``to_sampling_params`` in vllm/entrypoints/openai/{completion,chat_completion}/protocol.py.
+    Such a request still computes and stores every block of its prompt.
+    """
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("echo"):
+        if path.endswith("/chat/completions"):
+            return body.get("top_logprobs", 0) is None
+        return body.get("logprobs") is None
+    return True
+
 
 HOP_BY_HOP = frozenset(
     h.lower()
@@ -339,6 +361,9 @@ class Decision(msgspec.Struct, kw_only=True):
     prompt_tokens: tokens scored; request_blocks: their full blocks.
     matched_tokens: prefix the index holds on the chosen pod (tokens).
     predicted_cached_tokens: see :func:`predicted_cached_tokens`.
+    reads_cache: False when the engine will not read its prefix cache for this request
+        (:func:`reads_prefix_cache`: prompt logprobs asked): routed on load alone, nothing
+        predicted cached.
     full_report: the request was sent with ``kv_cache_report_mode: "full"`` (healing).
     matched: pod -> matched prefix tokens, for every candidate.
     totals: pod -> picker total, for every candidate.
@@ -358,6 +383,7 @@ class Decision(msgspec.Struct, kw_only=True):
     request_blocks: int
     matched_tokens: int
     predicted_cached_tokens: int
+    reads_cache: bool = True
     matched: dict[str, int]
     full_report: bool = False
     totals: dict[str, float]
@@ -705,9 +731,12 @@ class Router:
         *,
         stream: bool = False,
         cache_salt: str | None = None,
+        reads_cache: bool = True,
     ) -> Decision:
         """Score the candidates, pick a pod, count the request in flight there and log the decision.
 
+        ``reads_cache`` False (see :func:`reads_prefix_cache`): the engine will compute the
+        whole prompt wherever it goes, so the pods are scored on load alone.
         The caller must call :meth:`finish` with the decision when the request ends.
         """
         assert self.indexer is not None
@@ -715,7 +744,7 @@ class Router:
         ids = list(tokens or [])
         candidates = self.candidates()
         salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-        result = self.indexer.score(ids, candidates, cache_salt=salt)
+        result = self.indexer.score(ids if reads_cache else [], candidates, cache_salt=salt)
         assert result.pod is not None
         pod = result.pod
         if self.config.policy == "round_robin":
@@ -739,9 +768,10 @@ class Router:
             pod=pod,
             token_source=token_source,
             prompt_tokens=len(ids),
-            request_blocks=result.request_blocks,
+            request_blocks=len(ids) // result.block_size if not reads_cache else result.request_blocks,
             matched_tokens=chosen.matched_tokens,
             predicted_cached_tokens=predicted_cached_tokens(chosen.matched_blocks, len(ids), block),
+            reads_cache=reads_cache,
             matched={p: s.matched_tokens for p, s in result.prefix.items()},
             totals={p: round(e.total, 6) for p, e in totals.items()},
             stream=stream,
@@ -798,7 +828,8 @@ class Router:
             body = {}  # forwarded unchanged; the engine reports the error
         tokens, source = await self.prompt_token_ids(request.path, body)
         decision = self.choose(
-            request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt")
+            request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
+            reads_cache=reads_prefix_cache(request.path, body),
         )
         if self.healing is not None and body and self.healing.wants_full_report(decision.pod, None, self.model):
             healed = with_full_report(body)

@@ -43,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from examples.router.app import Router, RunningRouter, engine_session, parse_engine_arg
 from examples.router.demo_vllm import (
     Record,
+    engine_counters,
     precision_recall,
     replay_workload,
     reset_caches,
@@ -74,6 +75,35 @@ class Outcome:
     chat_content_ids: list[int]
     seconds: float
     rr_seconds: float
+    #: one prompt sent three times through the kvindex router: label -> (predicted header,
+    #: the chosen engine's prefix-cache hits and queries during the request, decision's reads_cache)
+    prompt_logprobs: dict[str, tuple[int, int, int, bool]]
+
+
+async def _prompt_logprobs_probe(rr: RunningRouter, session: aiohttp.ClientSession, fleet: VllmFleet) -> dict[str, tuple[int, int, int, bool]]:
+    """A prompt, then the same with ``prompt_logprobs`` (vLLM skips its prefix-cache lookup), then again."""
+    prompt = [(7 * i + 11) % 590 + 3 for i in range(5 * BLOCK + 7)]
+    out: dict[str, tuple[int, int, int, bool]] = {}
+    for label, extra in (("first", {}), ("prompt_logprobs", {"prompt_logprobs": 1}), ("again", {})):
+        body = {"model": fleet.model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, **extra}
+        before = await engine_counters(session, fleet.engines)
+        async with session.post(rr.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            pod, predicted = resp.headers["x-kvindex-pod"], int(resp.headers["x-kvindex-predicted-cached-tokens"])
+            decision = int(resp.headers["x-kvindex-decision"])
+        # the engine's counters may lag its answer: wait (bounded) for a lookup's query count
+        deadline = time.monotonic() + 30.0
+        while True:
+            after = await engine_counters(session, fleet.engines)
+            hits = int((after[pod].prefix_cache_hits or 0) - (before[pod].prefix_cache_hits or 0))
+            queries = int((after[pod].prefix_cache_queries or 0) - (before[pod].prefix_cache_queries or 0))
+            if queries >= len(prompt) or extra or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        reads = next(d for d in rr.router.decisions if d.id == decision).reads_cache
+        out[label] = (predicted, hits, queries, reads)
+        assert await rr.router.wait_indexed(prompt, pod, timeout=60.0), "the prompt's blocks were never indexed"
+    return out
 
 
 async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
@@ -109,6 +139,7 @@ async def _scenario(fleet: VllmFleet) -> Outcome:
                 json={"model": engine.model_name, "prompt": messages[1]["content"], "add_special_tokens": False},
             ) as resp:
                 content_ids = (await resp.json())["tokens"]
+            plp = await _prompt_logprobs_probe(rr, session, fleet)
 
         await reset_caches(fleet.engines)
         start = time.monotonic()
@@ -129,6 +160,7 @@ async def _scenario(fleet: VllmFleet) -> Outcome:
         chat_content_ids=content_ids,
         seconds=seconds,
         rr_seconds=rr_seconds,
+        prompt_logprobs=plp,
     )
 
 
@@ -222,6 +254,20 @@ def test_chat_is_scored_on_templated_tokens(outcome: Outcome, vllm_fleet: VllmFl
     assert {by_id[r.decision]["token_source"] for r in chats} == {"tokenize"}
     given = [r for r in outcome.records if r.name.startswith(("ids-", "one-ids", "one-short"))]
     assert given and {by_id[r.decision]["token_source"] for r in given} == {"token_ids"}
+
+
+def test_prompt_logprobs_request_is_promised_no_cache_hit(outcome: Outcome) -> None:
+    """vLLM does not read its prefix cache for a request asking for prompt logprobs: the router
+    predicts 0 cached tokens for it (routed on load) while it predicts, and the engine counts,
+    hits for the same prompt without them."""
+    r = outcome.prompt_logprobs
+    prompt = 5 * BLOCK + 7
+    assert r["first"][0] == 0 and r["first"][3], r
+    pred, hits, queries, reads = r["prompt_logprobs"]
+    assert (pred, hits, reads) == (0, 0, False), r  # the engine computed the whole prompt
+    assert queries == 0, r  # vLLM 0.32 does not even count a lookup
+    pred, hits, queries, reads = r["again"]
+    assert reads and queries == prompt and hits == pred == 5 * BLOCK, r
 
 
 def test_streaming_is_passed_through(outcome: Outcome) -> None:
