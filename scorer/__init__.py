@@ -8,7 +8,14 @@ index only; it never imports kvevents.
 
 from scorer.load import LoadSnapshot, fetch_load, parse_vllm_metrics
 from scorer.picker import Choice, LoadPicker, PickerWeights, PodExplanation, RandomPicker, WeightedPicker
-from scorer.prefix import PrefixIndex, PrefixScore, predicted_cached_tokens, prefix_scores_from_matches, score_prefix
+from scorer.prefix import (
+    PrefixIndex,
+    PrefixScore,
+    predicted_cached_tokens,
+    prefix_scores_from_matches,
+    reads_prefix_cache,
+    score_prefix,
+)
 
 __all__ = [
     "Choice",
@@ -23,6 +30,7 @@ __all__ = [
     "fetch_load",
     "parse_vllm_metrics",
     "predicted_cached_tokens",
+    "reads_prefix_cache",
     "prefix_scores_from_matches",
     "score_prefix",
 ]

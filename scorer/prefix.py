@@ -35,8 +35,8 @@ what it saves, not 1.0.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "predicted_cached_tokens",
+    "reads_prefix_cache",
     "PrefixIndex",
     "PrefixScore",
     "prefix_scores_from_matches",
@@ -220,6 +221,31 @@ def score_prefix(
 
 
 _DEFAULT_WEIGHTS = TierWeights()
+
+
+def reads_prefix_cache(path: str, body: Mapping[str, Any]) -> bool:
+    """Whether vLLM (0.32) looks up its prefix cache for this request body.
+
+    Not when the request computes prompt logprobs: ``SamplingParams.skip_reading_prefix_cache``
+    defaults to ``prompt_logprobs is not None`` (vllm/sampling_params.py), and the OpenAI layer
+    sets ``prompt_logprobs`` from the body's ``prompt_logprobs``, else, with ``echo``, from
+    ``logprobs`` (``/v1/completions``) or ``top_logprobs`` (``/v1/chat/completions``, where it
+    defaults to 0, so a chat request with ``echo`` alone skips the cache too); see
+    ``to_sampling_params`` in vllm/entrypoints/openai/{completion,chat_completion}/protocol.py.
+    Such a request still computes and stores every block of its prompt, so a router should
+    score it on load alone and predict 0 cached tokens for it.
+
+    Args:
+        path: the OpenAI API path (``/v1/completions`` or ``/v1/chat/completions``).
+        body: the request's JSON body.
+    """
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("echo"):
+        if path.endswith("/chat/completions"):
+            return body.get("top_logprobs", 0) is None
+        return body.get("logprobs") is None
+    return True
 
 
 def predicted_cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:

@@ -79,7 +79,7 @@ from indexer import Config, Indexer
 from indexer.healing import HealingPolicy, with_full_report
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import fetch_load
-from scorer.prefix import predicted_cached_tokens
+from scorer.prefix import predicted_cached_tokens, reads_prefix_cache
 
 __all__ = [
     "Decision",
@@ -89,31 +89,9 @@ __all__ = [
     "RunningRouter",
     "load_router_config",
     "parse_engine_arg",
-    "reads_prefix_cache",
 ]
 
 log = logging.getLogger("kvindex.router")
-
-
-def reads_prefix_cache(path: str, body: Mapping[str, Any]) -> bool:
-    """Whether vLLM (0.32) looks up its prefix cache for this request body.
-
-    Not when the request computes prompt logprobs: ``SamplingParams.skip_reading_prefix_cache``
-    defaults to ``prompt_logprobs is not None`` (vllm/sampling_params.py), and the OpenAI layer
-    sets ``prompt_logprobs`` from the body's ``prompt_logprobs``, else, with ``echo``, from
-    ``logprobs`` (``/v1/completions``) or ``top_logprobs`` (``/v1/chat/completions``, where it
-    defaults to 0, so a chat request with ``echo`` alone skips the cache too); see
-    ``to_sampling_params`` in vllm/entrypoints/openai/{completion,chat_completion}/protocol.py.
-    Such a request still computes and stores every block of its prompt.
-    """
-    if body.get("prompt_logprobs") is not None:
-        return False
-    if body.get("echo"):
-        if path.endswith("/chat/completions"):
-            return body.get("top_logprobs", 0) is None
-        return body.get("logprobs") is None
-    return True
-
 
 HOP_BY_HOP = frozenset(
     h.lower()

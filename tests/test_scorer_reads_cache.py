@@ -1,10 +1,10 @@
-"""Router pieces that need no engine: which requests read the engine's prefix cache."""
+"""Which requests read the engine's prefix cache (scorer.reads_prefix_cache, used by the router)."""
 
 from __future__ import annotations
 
 import pytest
 
-from examples.router.app import reads_prefix_cache
+from scorer import reads_prefix_cache
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 
