@@ -45,6 +45,7 @@ __all__ = ["TurnPlan", "PlannerStats", "PDPlanner", "predicted_pull_tokens"]
 
 PULL = "pull"
 RECOMPUTE = "recompute"
+DECODE_ONLY = "decode_only"
 
 
 def predicted_pull_tokens(remote_num_tokens: int, prompt_tokens: int, local_tokens: int) -> int:
@@ -65,9 +66,11 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
 
     Fields:
         conversation_id: the conversation (None: a one-off request).
-        prefill_pod, decode_pod: the chosen pods.
-        action: "pull" (P loads D's retained KV) or "recompute".
-        prefill_params: the ``kv_transfer_params`` JSON object for P's request.
+        prefill_pod, decode_pod: the chosen pods (prefill_pod "" for decode_only).
+        action: "pull" (P loads D's retained KV), "recompute", or "decode_only"
+            (no P leg: D prefills the request itself, see :meth:`PDPlanner.decode_only`).
+        prefill_params: the ``kv_transfer_params`` JSON object for P's request
+            (empty for decode_only).
         prompt_tokens: length of the prompt (tokens).
         local_tokens: P's predicted prefix-cache hit (tokens).
         pullable_tokens: tokens the guard left reusable from D (0 if none).
@@ -75,7 +78,8 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
         guard: the guard's result (None when there was no entry to check).
         retained_pod: the decode pod holding the entry (None without one).
         reasons: why, one line each.
-        prefill_choice, decode_choice: the pickers' explanations.
+        prefill_choice, decode_choice: the pickers' explanations (prefill_choice
+            None for decode_only).
         fallback: None, or why this plan replaced a failed pull.
     """
 
@@ -91,7 +95,7 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
     guard: GuardResult | None
     retained_pod: str | None
     reasons: list[str]
-    prefill_choice: Choice
+    prefill_choice: Choice | None
     decode_choice: Choice
     fallback: str | None = None
 
@@ -110,7 +114,7 @@ class PlannerStats(msgspec.Struct, frozen=True):
     turns, pulls; recomputes by reason kind; clipped (guard cut the params);
     fallbacks by cause; retained_stored (entries refreshed from D);
     bad_decode_answers (D params whose block ids do not cover their tokens:
-    dropped).
+    dropped); decode_only (turns D served without a P leg).
     """
 
     turns: int
@@ -120,6 +124,7 @@ class PlannerStats(msgspec.Struct, frozen=True):
     fallbacks: dict[str, int]
     retained_stored: int
     bad_decode_answers: int
+    decode_only: int = 0
 
 
 class PDPlanner:
@@ -178,6 +183,7 @@ class PDPlanner:
         self._clipped = 0
         self._retained = 0
         self._bad_answers = 0
+        self._decode_only = 0
         self._recomputes: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
 
@@ -310,6 +316,54 @@ class PDPlanner:
             decode_choice=d_choice,
         )
 
+    def decode_only(
+        self,
+        conversation_id: str | None,
+        prompt_tokens: Sequence[int] | np.ndarray,
+        decode_pods: Sequence[str],
+        loads: Mapping[str, LoadSnapshot] | None = None,
+        *,
+        reason: str,
+    ) -> TurnPlan:
+        """A turn D serves alone (no P leg, no params): for requests one P prefill cannot serve.
+
+        ``reason`` says why (see ``examples.router.pd.decode_only_reason``: a
+        batch of prompts, ``n`` > 1, prompt logprobs).  D is picked as in
+        :meth:`plan` (its own prefix cache and the decode-retained tier count,
+        so the D holding the conversation is preferred).  The conversation's
+        retained entry is neither used nor dropped: D still holds those blocks,
+        and a later turn that extends them can pull them.
+
+        Raises:
+            ValueError: no decode candidates.
+        """
+        if not decode_pods:
+            raise ValueError("decode_only needs at least one decode pod")
+        tokens = np.asarray(prompt_tokens, dtype=np.int64)
+        keys = self.request_keys(tokens)
+        d_scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
+        d_choice = self.decode_picker.pick(d_scores, loads or {}, list(decode_pods))
+        d = d_choice.pod
+        with self._lock:
+            self._turns += 1
+            self._decode_only += 1
+        return TurnPlan(
+            conversation_id=conversation_id,
+            prefill_pod="",
+            decode_pod=d,
+            action=DECODE_ONLY,
+            prefill_params={},
+            prompt_tokens=len(tokens),
+            local_tokens=0,
+            pullable_tokens=0,
+            pulled_tokens=0,
+            guard=None,
+            retained_pod=None,
+            reasons=[f"D {d}: {d_choice.explanation[d].reason}", f"{DECODE_ONLY}: {reason}"],
+            prefill_choice=None,
+            decode_choice=d_choice,
+        )
+
     def fallback(self, plan: TurnPlan, cause: str) -> TurnPlan:
         """The same turn without remote params, after a failed pull (counted by ``cause``).
 
@@ -386,4 +440,5 @@ class PDPlanner:
                 fallbacks=dict(self._fallbacks),
                 retained_stored=self._retained,
                 bad_decode_answers=self._bad_answers,
+                decode_only=self._decode_only,
             )

@@ -212,3 +212,25 @@ def test_random_conversations_never_pull_mismatched_tokens(case):
         planner.decode_answered(plan, d_answer(n), prompt + output)
         held = (prompt + output)[:n]
         history = prompt + output
+
+
+def test_decode_only_keeps_the_retained_entry_and_prefers_its_holder():
+    """A turn D serves alone (a batch, n > 1, prompt logprobs) neither spends nor drops the
+    conversation's entry: the next ordinary turn still pulls it."""
+    planner, _ = make()
+    prompt, output = list(range(1, 200)), list(range(500, 540))
+    first = turn(planner, "c", prompt, output)
+    held = planner.store.get("c")
+    assert held is not None
+    alone = planner.decode_only("c", prompt + output + [7] * 5, ["d0", "d1"], reason="n=2")
+    assert alone.action == "decode_only" and alone.prefill_pod == "" and alone.prefill_params == {}
+    assert alone.pulled_tokens == 0 and alone.prefill_choice is None
+    assert alone.decode_pod == first.decode_pod
+    assert "n=2" in alone.reasons[-1]
+    assert planner.store.get("c") == held
+    nxt = planner.plan("c", prompt + output + [9] * 40, ["p0", "p1"], ["d0", "d1"])
+    assert nxt.action == "pull"
+    s = planner.stats()
+    assert s.decode_only == 1 and s.turns == 3
+    with pytest.raises(ValueError):
+        planner.decode_only("c", prompt, [], reason="x")

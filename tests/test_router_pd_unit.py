@@ -114,3 +114,35 @@ def test_prefill_leg_drops_what_only_shapes_the_discarded_answer(chat):
     assert {k: p[k] for k in ("model", "prompt", "temperature", "seed")} == {
         k: body[k] for k in ("model", "prompt", "temperature", "seed")
     }
+
+
+@pytest.mark.parametrize(
+    ("chat", "body", "alone"),
+    [
+        (False, {"prompt": [1, 2, 3]}, False),
+        (False, {"prompt": "one prompt"}, False),
+        (False, {"prompt": [[1, 2, 3]]}, False),  # a batch of one: one set of params fits
+        (False, {"prompt": ["a", "b"]}, True),
+        (False, {"prompt": [[1, 2], [3, 4]]}, True),
+        (False, {"prompt": [1, 2], "n": 2}, True),
+        (False, {"prompt": [1, 2], "n": "3"}, True),  # the engine's validation coerces it
+        (False, {"prompt": [1, 2], "n": 1}, False),
+        (False, {"prompt": [1, 2], "use_beam_search": True}, True),
+        (False, {"prompt": [1, 2], "prompt_logprobs": 0}, True),
+        (False, {"prompt": [1, 2], "echo": True, "logprobs": 1}, True),
+        (False, {"prompt": [1, 2], "echo": True}, False),
+        (False, {"prompt": [1, 2], "logprobs": 5}, False),
+        (True, {"messages": [{"role": "user", "content": "x"}]}, False),
+        (True, {"messages": [], "n": 2}, True),
+        (True, {"messages": [], "prompt_logprobs": 1}, True),
+        (True, {"messages": [], "echo": True}, True),  # chat's top_logprobs defaults to 0: prompt logprobs
+        (True, {"messages": [], "logprobs": True, "top_logprobs": 3}, False),
+    ],
+)
+def test_requests_one_prefill_cannot_serve_go_to_decode_alone(chat, body, alone):
+    """A batch of prompts would make D load the first prompt's KV for the others; n > 1 makes every
+    sample read P's blocks (freed after the first read); prompt logprobs make D recompute anyway."""
+    from examples.router.pd import decode_only_reason
+
+    reason = decode_only_reason(dict(body), chat)
+    assert (reason is not None) == alone, reason

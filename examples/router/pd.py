@@ -64,7 +64,7 @@ from indexer import Indexer
 if TYPE_CHECKING:
     from connector.redis_retained import RedisRetainedStore
 
-__all__ = ["PDRouter", "PDTurn", "PREFILL_DROPPED_FIELDS", "conversation_id_of", "prefill_body"]
+__all__ = ["PDRouter", "PDTurn", "PREFILL_DROPPED_FIELDS", "conversation_id_of", "decode_only_reason", "prefill_body"]
 
 log = logging.getLogger("kvindex.router.pd")
 
@@ -217,13 +217,20 @@ class PDRouter(Router):
         path = request.path
         tokens, _source = await self.prompt_token_ids(path, body)
         tokens = tokens or []
-        plan = self.planner.plan(
-            cid,
-            tokens,
-            self._role_candidates(self.config.prefill),
-            self._role_candidates(self.config.decode),
-            self.indexer.loads(),
-        )
+        chat = path.endswith("/chat/completions")
+        alone = decode_only_reason(body, chat)
+        if alone is not None:
+            plan = self.planner.decode_only(
+                cid, tokens, self._role_candidates(self.config.decode), self.indexer.loads(), reason=alone
+            )
+        else:
+            plan = self.planner.plan(
+                cid,
+                tokens,
+                self._role_candidates(self.config.prefill),
+                self._role_candidates(self.config.decode),
+                self.indexer.loads(),
+            )
         turn = PDTurn(id=next(self._turn_ids), conversation_id=cid, plan=plan)
         headers = {
             k: v
@@ -232,7 +239,12 @@ class PDRouter(Router):
         }
         headers["Content-Type"] = "application/json"
         stream = bool(body.get("stream"))
-        chat = path.endswith("/chat/completions")
+
+        if alone is not None:
+            # D alone, the client's request as it is (streamed when asked): nothing to retain
+            self.m_pd_turns.labels(plan.action).inc()
+            d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            return self._done(turn, started, await self._stream_decode(request, plan, d_body, headers, turn))
 
         # -- P leg
         t0 = time.perf_counter()
@@ -250,7 +262,7 @@ class PDRouter(Router):
         self.m_pd_pulled.inc(plan.pulled_tokens)
         if p_status != 200:
             self.m_pd_errors.labels("prefill").inc()
-            return self._done(turn, started, web.Response(status=p_status, body=p_raw, content_type="application/json"))
+            return self._done(turn, started, self._error(turn, p_status, p_raw))
         p_params = params_from_json_body(p_raw, where=f"prefill pod {plan.prefill_pod}", rejects=self.rejects)
         if p_params is not None:
             turn.prefill_cached_tokens = p_params.remote_prefill_cached_tokens
@@ -273,14 +285,14 @@ class PDRouter(Router):
         if d_status != 200:
             self.m_pd_errors.labels("decode").inc()
             self.planner.decode_answered(plan, None, tokens)
-            return self._done(turn, started, web.Response(status=d_status, body=d_raw, content_type="application/json"))
+            return self._done(turn, started, self._error(turn, d_status, d_raw))
         try:
             answer = msgspec.json.decode(d_raw)
         except msgspec.DecodeError:
             answer = None
         if not isinstance(answer, dict):
             self.m_pd_errors.labels("decode").inc()
-            return self._done(turn, started, web.Response(status=502, body=d_raw, content_type="application/json"))
+            return self._done(turn, started, self._error(turn, 502, d_raw))
         d_params = params_from_json_body(d_raw, where=f"decode pod {plan.decode_pod}", rejects=self.rejects)
         output = _output_token_ids(answer)
         if d_params is not None and output is not None and tokens:
@@ -311,16 +323,23 @@ class PDRouter(Router):
                 self.engines[plan.decode_pod].url + request.path, data=msgspec.json.encode(d_body), headers=headers
             ) as up:
                 turn.decode_status = up.status
+                if up.status != 200:
+                    self.m_pd_errors.labels("decode").inc()
                 resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "text/event-stream"), **self._pd_headers(turn)})
                 await resp.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    async for chunk in up.content.iter_any():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                except ConnectionResetError:
+                    # the client went away; leaving this block closes the upstream answer (D aborts)
+                    log.debug("P/D router: client of turn %s disconnected", turn.id)
                 return resp
         except (aiohttp.ClientError, TimeoutError) as e:
             turn.decode_status = 502
             self.m_pd_errors.labels("decode").inc()
-            return web.json_response({"error": {"message": f"engine {plan.decode_pod} failed: {e!r}", "code": 502}}, status=502)
+            err = {"error": {"message": f"engine {plan.decode_pod} failed: {e!r}", "code": 502}}
+            return self._error(turn, 502, msgspec.json.encode(err))
         finally:
             turn.decode_ms = (time.perf_counter() - t1) * 1000.0
 
@@ -350,6 +369,10 @@ class PDRouter(Router):
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _error(self, turn: PDTurn, status: int, raw: bytes) -> web.Response:
+        """An engine's (or the router's) error answer, with the turn's headers."""
+        return web.Response(status=status, body=raw, content_type="application/json", headers=self._pd_headers(turn))
 
     def _pd_headers(self, turn: PDTurn) -> dict[str, str]:
         p = turn.plan
@@ -415,6 +438,53 @@ def prefill_body(body: dict[str, Any], params: dict[str, Any], chat: bool) -> di
     if chat and "max_completion_tokens" in p_body:
         p_body["max_completion_tokens"] = 1
     return p_body
+
+
+def _count(value: Any) -> int | None:
+    """An integer request field as the engine's validation reads it (None: absent or not a number)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def decode_only_reason(body: dict[str, Any], chat: bool) -> str | None:
+    """Why one P prefill cannot serve this request (then D serves it alone), or None.
+
+    The P leg hands D the ``kv_transfer_params`` of one prefilled prompt, and
+    vLLM 0.32 gives every engine request made from the body those same params:
+
+    - a batch of prompts (``/v1/completions``, ``prompt`` a list of several
+      strings or token lists): P returns the params of the first prompt only
+      (``request_output_to_completion_response`` takes
+      ``final_res_batch[0].kv_transfer_params``), so D would load the first
+      prompt's KV for every other prompt;
+    - ``n`` > 1 (or ``use_beam_search``): D's parallel samples each read P's
+      blocks, P frees them after the first read (its ``_get_new_notifs`` logs
+      "Potentially invalid KV blocks ... retrieved" for the others), and D's
+      answer carries the params of one sample, not necessarily choice 0's;
+    - prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``,
+      or ``echo`` on chat, where ``top_logprobs`` defaults to 0): vLLM sets
+      ``skip_reading_prefix_cache`` and its scheduler drops the external load
+      for such a request (``vllm/v1/core/sched/scheduler.py``), so D
+      recomputes the prompt and P's prefill would be wasted.
+    """
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (list, str)):
+            return f"a batch of {len(prompt)} prompts (one P prefill gives D the params of the first only)"
+    n = _count(body.get("n"))
+    if n is not None and n > 1:
+        return f"n={n} (each sample would read P's blocks, which P frees after the first read)"
+    if body.get("use_beam_search"):
+        return "beam search (several sequences per request)"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt_logprobs (vLLM recomputes the prompt instead of loading P's KV)"
+    if body.get("echo") and (chat or body.get("logprobs") is not None):
+        return "echo with prompt logprobs (vLLM recomputes the prompt instead of loading P's KV)"
+    return None
 
 
 def _strip_answer(answer: dict[str, Any], *, keep_ids: bool) -> None:
