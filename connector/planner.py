@@ -81,6 +81,9 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
         prefill_choice, decode_choice: the pickers' explanations (prefill_choice
             None for decode_only).
         fallback: None, or why this plan replaced a failed pull.
+        cache_salt: the request's ``cache_salt`` (None: none); every request key
+            of the turn (P's and D's prefix scores, the retained entry D's
+            answer refreshes) is salted with it, as the engines' block hashes are.
     """
 
     conversation_id: str | None
@@ -98,6 +101,7 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
     prefill_choice: Choice | None
     decode_choice: Choice
     fallback: str | None = None
+    cache_salt: str | None = None
 
     def explain(self) -> str:
         """One paragraph: pods, action, token counts and the reasons."""
@@ -187,9 +191,9 @@ class PDPlanner:
         self._recomputes: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
 
-    def request_keys(self, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Request keys of ``tokens``' whole blocks (uint64 array)."""
-        return self.tp.request_keys(tokens, model=self.model)
+    def request_keys(self, tokens: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> np.ndarray:
+        """Request keys of ``tokens``' whole blocks (uint64 array), salted with ``cache_salt`` when given."""
+        return self.tp.request_keys(tokens, model=self.model, cache_salt=cache_salt or None)
 
     # ------------------------------------------------------------------ turns
 
@@ -200,6 +204,8 @@ class PDPlanner:
         prefill_pods: Sequence[str],
         decode_pods: Sequence[str],
         loads: Mapping[str, LoadSnapshot] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> TurnPlan:
         """Decide one turn (see the module docstring).
 
@@ -208,6 +214,10 @@ class PDPlanner:
             prompt_tokens: the full prompt's token ids (chat template applied).
             prefill_pods, decode_pods: candidates (non-empty).
             loads: pod -> LoadSnapshot (missing pods count as idle).
+            cache_salt: the request's ``cache_salt``: the engines salt their
+                block hashes with it, so P's local hits and the retained
+                tokens are matched under the same salt (a conversation whose
+                salt changes finds nothing reusable).
 
         Raises:
             ValueError: no prefill or no decode candidates.
@@ -217,7 +227,7 @@ class PDPlanner:
         loads = loads or {}
         tokens = np.asarray(prompt_tokens, dtype=np.int64)
         n_prompt = len(tokens)
-        keys = self.request_keys(tokens)
+        keys = self.request_keys(tokens, cache_salt)
         reasons: list[str] = []
 
         p_scores = score_prefix(self.index, keys, list(prefill_pods), block_size=self.block_size, weights=self.weights)
@@ -314,6 +324,7 @@ class PDPlanner:
             reasons=reasons,
             prefill_choice=p_choice,
             decode_choice=d_choice,
+            cache_salt=cache_salt or None,
         )
 
     def decode_only(
@@ -324,6 +335,7 @@ class PDPlanner:
         loads: Mapping[str, LoadSnapshot] | None = None,
         *,
         reason: str,
+        cache_salt: str | None = None,
     ) -> TurnPlan:
         """A turn D serves alone (no P leg, no params): for requests one P prefill cannot serve.
 
@@ -340,7 +352,7 @@ class PDPlanner:
         if not decode_pods:
             raise ValueError("decode_only needs at least one decode pod")
         tokens = np.asarray(prompt_tokens, dtype=np.int64)
-        keys = self.request_keys(tokens)
+        keys = self.request_keys(tokens, cache_salt)
         d_scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
         d_choice = self.decode_picker.pick(d_scores, loads or {}, list(decode_pods))
         d = d_choice.pod
@@ -362,6 +374,7 @@ class PDPlanner:
             reasons=[f"D {d}: {d_choice.explanation[d].reason}", f"{DECODE_ONLY}: {reason}"],
             prefill_choice=None,
             decode_choice=d_choice,
+            cache_salt=cache_salt or None,
         )
 
     def fallback(self, plan: TurnPlan, cause: str) -> TurnPlan:
@@ -424,7 +437,7 @@ class PDPlanner:
                 self._bad_answers += 1
             return None
         held = toks[:n]
-        entry = self.store.put(cid, plan.decode_pod, decode_answer, held, self.request_keys(held))
+        entry = self.store.put(cid, plan.decode_pod, decode_answer, held, self.request_keys(held, plan.cache_salt))
         with self._lock:
             self._retained += 1
         return entry

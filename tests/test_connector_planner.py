@@ -234,3 +234,29 @@ def test_decode_only_keeps_the_retained_entry_and_prefers_its_holder():
     assert s.decode_only == 1 and s.turns == 3
     with pytest.raises(ValueError):
         planner.decode_only("c", prompt, [], reason="x")
+
+
+def test_cache_salt_scopes_local_hits_and_the_retained_entry():
+    """The engines salt their block hashes with a request's cache_salt: P's salted blocks count as
+    local hits only for a request with that salt, and a conversation's retained tokens match only
+    under the salt they were kept with."""
+    planner, _ = make(threshold=16)
+    prompt = list(range(1, 200))  # 12 whole blocks
+    planner.index.add_held("p0", planner.request_keys(prompt, "tenant-a"), GPU)
+    salted = planner.plan(None, prompt, ["p0"], ["d0"], cache_salt="tenant-a")
+    assert salted.local_tokens == 192 and salted.cache_salt == "tenant-a"
+    assert planner.plan(None, prompt, ["p0"], ["d0"]).local_tokens == 0
+    assert planner.plan(None, prompt, ["p0"], ["d0"], cache_salt="tenant-b").local_tokens == 0
+    # turn 1 with a salt; P holds that prompt's blocks, D retains prompt + answer under the salt
+    output = list(range(500, 560))
+    plan1 = planner.plan("c", prompt, ["p0"], ["d0"], cache_salt="tenant-a")
+    planner.decode_answered(plan1, d_answer(len(prompt) + len(output) - 1), prompt + output)
+    prompt2 = prompt + output + [7] * 20
+    plan2 = planner.plan("c", prompt2, ["p0"], ["d0"], cache_salt="tenant-a")
+    assert plan2.action == "pull", plan2.explain()
+    # the engine's counts: P reuses its 192 salted tokens and pulls the rest of the retained 258
+    assert plan2.local_tokens == 192 and plan2.pulled_tokens == 258 - 192
+    # the same conversation under another salt finds nothing reusable
+    planner.decode_answered(plan2, d_answer(len(prompt2) + 9), prompt2 + list(range(900, 910)))
+    other = planner.plan("c", prompt2 + [8] * 40, ["p0"], ["d0"], cache_salt="tenant-b")
+    assert other.action == "recompute" and other.local_tokens == 0, other.explain()

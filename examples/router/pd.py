@@ -218,10 +218,13 @@ class PDRouter(Router):
         tokens, _source = await self.prompt_token_ids(path, body)
         tokens = tokens or []
         chat = path.endswith("/chat/completions")
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) and salt else None
         alone = decode_only_reason(body, chat)
         if alone is not None:
             plan = self.planner.decode_only(
-                cid, tokens, self._role_candidates(self.config.decode), self.indexer.loads(), reason=alone
+                cid, tokens, self._role_candidates(self.config.decode), self.indexer.loads(), reason=alone,
+                cache_salt=salt,
             )
         else:
             plan = self.planner.plan(
@@ -230,6 +233,7 @@ class PDRouter(Router):
                 self._role_candidates(self.config.prefill),
                 self._role_candidates(self.config.decode),
                 self.indexer.loads(),
+                cache_salt=salt,
             )
         turn = PDTurn(id=next(self._turn_ids), conversation_id=cid, plan=plan)
         headers = {
