@@ -146,3 +146,38 @@ def test_requests_one_prefill_cannot_serve_go_to_decode_alone(chat, body, alone)
 
     reason = decode_only_reason(dict(body), chat)
     assert (reason is not None) == alone, reason
+
+
+def test_buffered_stream_keeps_what_a_stream_carries():
+    """A whole answer re-emitted as events keeps what vLLM's stream chunks carry: the reasoning
+    text, stop_reason, tool calls with their index, and token ids the client asked for."""
+    from examples.router.pd import answer_as_events
+
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chat = {
+        "id": "c1", "created": 1, "model": "m", "usage": usage, "prompt_token_ids": [1, 2, 3],
+        "choices": [{
+            "index": 0, "finish_reason": "stop", "stop_reason": "END", "logprobs": None, "token_ids": [7, 8],
+            "message": {"role": "assistant", "content": "hi", "reasoning": "because",
+                        "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        }],
+    }
+    first, last = answer_as_events(chat, True, include_usage=True)
+    c = first["choices"][0]
+    assert first["object"] == "chat.completion.chunk" and first["prompt_token_ids"] == [1, 2, 3]
+    assert c["delta"]["content"] == "hi" and c["delta"]["reasoning"] == "because"
+    assert c["delta"]["tool_calls"][0]["index"] == 0 and c["delta"]["tool_calls"][0]["id"] == "t1"
+    assert c["stop_reason"] == "END" and c["token_ids"] == [7, 8]
+    assert last["choices"] == [] and last["usage"] == usage
+    comp = {
+        "id": "x", "created": 1, "model": "m", "usage": usage,
+        "choices": [{"index": 0, "text": "ab", "finish_reason": "stop", "stop_reason": 13, "logprobs": None,
+                     "token_ids": [7, 8], "prompt_token_ids": [1, 2, 3]}],
+    }
+    (only,) = answer_as_events(comp, False, include_usage=False)
+    assert only["object"] == "text_completion"
+    assert only["choices"] == [comp["choices"][0]]
+    # token ids the client did not ask for were stripped from the answer before: none appear
+    del comp["choices"][0]["token_ids"], comp["choices"][0]["prompt_token_ids"]
+    (only,) = answer_as_events(comp, False, include_usage=False)
+    assert "token_ids" not in only["choices"][0] and "prompt_token_ids" not in only["choices"][0]

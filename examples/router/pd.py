@@ -64,7 +64,15 @@ from indexer import Indexer
 if TYPE_CHECKING:
     from connector.redis_retained import RedisRetainedStore
 
-__all__ = ["PDRouter", "PDTurn", "PREFILL_DROPPED_FIELDS", "conversation_id_of", "decode_only_reason", "prefill_body"]
+__all__ = [
+    "PDRouter",
+    "PDTurn",
+    "PREFILL_DROPPED_FIELDS",
+    "answer_as_events",
+    "conversation_id_of",
+    "decode_only_reason",
+    "prefill_body",
+]
 
 log = logging.getLogger("kvindex.router.pd")
 
@@ -350,26 +358,12 @@ class PDRouter(Router):
     async def _emit_sse(
         self, request: web.Request, answer: dict[str, Any], chat: bool, body: dict[str, Any], extra: dict[str, str]
     ) -> web.StreamResponse:
-        """Re-emit a whole non-streaming answer as server-sent events."""
+        """Re-emit a whole non-streaming answer as server-sent events (see :func:`answer_as_events`)."""
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **extra})
         await resp.prepare(request)
-        base = {k: answer.get(k) for k in ("id", "created", "model")}
-        choices = []
-        for c in answer.get("choices") or []:
-            if chat:
-                msg = c.get("message") or {}
-                delta = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
-                if msg.get("reasoning_content") is not None:
-                    delta["reasoning_content"] = msg["reasoning_content"]
-                if msg.get("tool_calls"):
-                    delta["tool_calls"] = msg["tool_calls"]
-                choices.append({"index": c.get("index", 0), "delta": delta, "logprobs": c.get("logprobs"), "finish_reason": c.get("finish_reason")})
-            else:
-                choices.append({k: c.get(k) for k in ("index", "text", "logprobs", "finish_reason")})
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        await resp.write(b"data: " + msgspec.json.encode({**base, "object": obj, "choices": choices}) + b"\n\n")
-        if (body.get("stream_options") or {}).get("include_usage") and answer.get("usage") is not None:
-            await resp.write(b"data: " + msgspec.json.encode({**base, "object": obj, "choices": [], "usage": answer["usage"]}) + b"\n\n")
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for event in answer_as_events(answer, chat, include_usage=include_usage):
+            await resp.write(b"data: " + msgspec.json.encode(event) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -489,6 +483,48 @@ def decode_only_reason(body: dict[str, Any], chat: bool) -> str | None:
     if body.get("echo") and (chat or body.get("logprobs") is not None):
         return "echo with prompt logprobs (vLLM recomputes the prompt instead of loading P's KV)"
     return None
+
+
+def answer_as_events(answer: dict[str, Any], chat: bool, *, include_usage: bool) -> list[dict[str, Any]]:
+    """The events of a whole (non-streaming) answer as a stream would carry them, without ``[DONE]``.
+
+    One chunk with every choice (its whole text or message as one delta; the
+    fields of vLLM 0.32's stream choices: ``stop_reason``, and ``token_ids`` /
+    ``prompt_token_ids`` when the answer kept them, i.e. the client asked with
+    ``return_token_ids``), then a usage chunk when ``include_usage``.
+    """
+    base = {k: answer.get(k) for k in ("id", "created", "model")}
+    choices = []
+    for c in answer.get("choices") or []:
+        if chat:
+            msg = c.get("message") or {}
+            delta = {"role": msg.get("role", "assistant"), "content": msg.get("content")}
+            for key in ("reasoning_content", "reasoning"):
+                if msg.get(key) is not None:
+                    delta[key] = msg[key]
+            if msg.get("tool_calls"):
+                # stream deltas name each call's position (clients merge deltas by it)
+                delta["tool_calls"] = [
+                    {"index": i, **tc} if isinstance(tc, dict) else tc for i, tc in enumerate(msg["tool_calls"])
+                ]
+            choice = {"index": c.get("index", 0), "delta": delta, "logprobs": c.get("logprobs"),
+                      "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason")}
+            if c.get("token_ids") is not None:
+                choice["token_ids"] = c["token_ids"]
+        else:
+            choice = {k: c.get(k) for k in ("index", "text", "logprobs", "finish_reason", "stop_reason")}
+            for key in ("prompt_token_ids", "token_ids"):
+                if c.get(key) is not None:
+                    choice[key] = c[key]
+        choices.append(choice)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    first: dict[str, Any] = {**base, "object": obj, "choices": choices}
+    if chat and answer.get("prompt_token_ids") is not None:
+        first["prompt_token_ids"] = answer["prompt_token_ids"]
+    events = [first]
+    if include_usage and answer.get("usage") is not None:
+        events.append({**base, "object": obj, "choices": [], "usage": answer["usage"]})
+    return events
 
 
 def _strip_answer(answer: dict[str, Any], *, keep_ids: bool) -> None:
