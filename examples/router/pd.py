@@ -12,7 +12,11 @@ One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
    one, the turn runs P/D without retention.
 2. The prompt's token ids (the engines' ``/tokenize``, chat template applied)
    and :meth:`PDPlanner.plan`: which P, which D, pull D's retained KV or
-   recompute, and P's ``kv_transfer_params``.
+   recompute, and P's ``kv_transfer_params`` (request keys salted with the
+   body's ``cache_salt``, as the engines' block hashes are).  A request one P
+   prefill cannot serve (:func:`decode_only_reason`: a batch of prompts,
+   ``n`` > 1, prompt logprobs) goes to D alone, as the client sent it
+   (:meth:`PDPlanner.decode_only`).
 3. **P leg**: the body with ``max_tokens`` 1 (``max_completion_tokens`` 1 for
    chat), ``stream`` false, the planned params, and without the fields that only
    shape P's discarded answer (logprobs, prompt logprobs, echo: see
@@ -21,7 +25,9 @@ One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
    default ``kv_load_failure_policy`` "fail", or the D holding the blocks is
    unreachable: P answers 500 after ~5 s), P is asked once more without
    remote params; the fallback is counted
-   (``kvindex_router_pd_fallbacks_total{cause}``).
+   (``kvindex_router_pd_fallbacks_total{cause}``).  When P does not answer
+   at all (connection refused or timed out: e.g. restarting), D serves the
+   turn alone (cause ``prefill_unreachable``).
 4. **D leg**: the body with P's answer params, ``stream`` false and
    ``return_token_ids`` true (the router needs the generated ids to know which
    tokens D retains).  D's answer carries the next turn's params
@@ -200,15 +206,22 @@ class PDRouter(Router):
 
     async def _post(self, pod: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[int, bytes]:
         """POST ``body`` to ``pod``; (status, raw body); status 502 when unreachable."""
+        status, raw, _ = await self._post_reached(pod, path, body, headers)
+        return status, raw
+
+    async def _post_reached(
+        self, pod: str, path: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[int, bytes, bool]:
+        """:meth:`_post`, and whether the engine answered at all (False: no answer, status 502)."""
         assert self._session is not None
         try:
             async with self._session.post(
                 self.engines[pod].url + path, data=msgspec.json.encode(body), headers=headers
             ) as up:
-                return up.status, await up.read()
+                return up.status, await up.read(), True
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("P/D router: %s unreachable: %r", pod, e)
-            return 502, msgspec.json.encode({"error": {"message": f"engine {pod} failed: {e!r}", "code": 502}})
+            return 502, msgspec.json.encode({"error": {"message": f"engine {pod} failed: {e!r}", "code": 502}}), False
 
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         """One P/D turn (see the module docstring)."""
@@ -253,21 +266,29 @@ class PDRouter(Router):
         stream = bool(body.get("stream"))
 
         if alone is not None:
-            # D alone, the client's request as it is (streamed when asked): nothing to retain
-            self.m_pd_turns.labels(plan.action).inc()
-            d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            return self._done(turn, started, await self._stream_decode(request, plan, d_body, headers, turn))
+            return self._done(turn, started, await self._decode_alone(request, turn, body, headers))
 
         # -- P leg
         t0 = time.perf_counter()
-        p_status, p_raw = await self._prefill(plan, body, path, headers, chat)
-        if p_status >= 500 and plan.action == "pull":
-            cause = "prefill_unreachable" if p_status == 502 else f"prefill_http_{p_status}"
+        p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
+        if p_status >= 500 and plan.action == "pull" and reached:
+            cause = f"prefill_http_{p_status}"
             plan = self.planner.fallback(plan, cause)
             turn.plan = plan
             turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
             self.m_pd_fallbacks.labels(cause).inc()
-            p_status, p_raw = await self._prefill(plan, body, path, headers, chat)
+            p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
+        if not reached:
+            # no prefill pod answered (e.g. restarting): D prefills the request itself
+            turn.prefill_status = p_status
+            turn.prefill_ms = (time.perf_counter() - t0) * 1000.0
+            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
+            self.m_pd_fallbacks.labels("prefill_unreachable").inc()
+            turn.plan = self.planner.decode_only(
+                cid, tokens, self._role_candidates(self.config.decode), self.indexer.loads(),
+                reason=f"prefill pod {plan.prefill_pod} unreachable", cache_salt=salt,
+            )
+            return self._done(turn, started, await self._decode_alone(request, turn, body, headers))
         turn.prefill_status = p_status
         turn.prefill_ms = turn.ttft_ms = (time.perf_counter() - t0) * 1000.0
         self.m_pd_turns.labels(plan.action).inc()
@@ -322,8 +343,34 @@ class PDRouter(Router):
 
     async def _prefill(
         self, plan: TurnPlan, body: dict[str, Any], path: str, headers: dict[str, str], chat: bool
-    ) -> tuple[int, bytes]:
-        return await self._post(plan.prefill_pod, path, prefill_body(body, plan.prefill_params, chat), headers)
+    ) -> tuple[int, bytes, bool]:
+        return await self._post_reached(plan.prefill_pod, path, prefill_body(body, plan.prefill_params, chat), headers)
+
+    async def _decode_alone(
+        self, request: web.Request, turn: PDTurn, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """D serves the client's request as it is (streamed when asked), without remote params: nothing to retain."""
+        self.m_pd_turns.labels(turn.plan.action).inc()
+        d_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        if body.get("stream"):
+            return await self._stream_decode(request, turn.plan, d_body, headers, turn)
+        t1 = time.perf_counter()
+        status, raw = await self._post(turn.plan.decode_pod, request.path, d_body, headers)
+        turn.decode_ms = (time.perf_counter() - t1) * 1000.0
+        turn.decode_status = status
+        try:
+            answer = msgspec.json.decode(raw) if status == 200 else None
+        except msgspec.DecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            if status == 200:
+                status = 502  # garbage from the engine
+            self.m_pd_errors.labels("decode").inc()
+            return self._error(turn, status, raw)
+        answer.pop("kv_transfer_params", None)  # the same shape as a P/D answer
+        return web.Response(
+            status=200, body=msgspec.json.encode(answer), content_type="application/json", headers=self._pd_headers(turn)
+        )
 
     async def _stream_decode(
         self, request: web.Request, plan: TurnPlan, d_body: dict[str, Any], headers: dict[str, str], turn: PDTurn

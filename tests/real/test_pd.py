@@ -13,7 +13,10 @@ behind the P/D router (examples/router/pd.py, built on connector.planner.PDPlann
     only the common prefix; with the guard off, P loads KV for tokens the prompt does not have
     (its counters show reuse beyond the common prefix);
 (c) an entry D has already expired (D's decoder_kv_blocks_ttl is short here) and a D that has
-    gone away: P fails the pull (HTTP 500), the router recomputes once, the client gets its answer.
+    gone away: P fails the pull (HTTP 500), the router recomputes once, the client gets its answer;
+(d) a batch of two prompts is served by D alone, and each prompt's answer matches an engine
+    computing that prompt;
+(e) with no prefill pod answering, D serves the turn alone.
 
 One engine pair for the module; run under ``flock /tmp/kvindex-engines.lock``.
 """
@@ -34,7 +37,7 @@ import pytest
 from connector.guard import common_prefix_len
 from examples.router.app import RunningRouter, engine_session
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
-from examples.vllm_fleet.fleet import FleetEnv, FleetError
+from examples.vllm_fleet.fleet import FleetEnv, FleetError, free_port
 from examples.vllm_fleet.pd import PDFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
@@ -185,16 +188,40 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
                     store = rr.router.planner.store
                     entry = store.get(cid)
                     assert entry is not None
-                    from examples.vllm_fleet.fleet import free_port
-
                     dead = msgspec.structs.replace(entry.params, remote_port=free_port(), remote_engine_id="gone-engine")
                     store.put(cid, entry.decode_pod, dead, entry.tokens, entry.request_keys)
                     t2 = await run_turn(
                         session, rr.url, fleet, cid, prompt1 + t1.output_ids + ids("gone/2", 40), max_tokens=4
                     )
                     out["gone"] = {"t2": t2, "pd": rr.router.turns[-1]}
+                    # (d) a batch of two prompts: one P prefill's params cannot serve both (vLLM answers the P
+                    # leg with the first prompt's params), so D serves the batch alone
+                    a, b = ids("batch/a", 100), ids("batch/b", 100)
+                    body = {"model": fleet.model_name, "prompt": [a, b], "max_tokens": 1, "temperature": 0.0,
+                            "logprobs": 5}
+                    async with session.post(rr.url + "/v1/completions", json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+                        action = resp.headers.get("x-kvindex-pd-action")
+                        batch = await resp.json()
+                    out["batch"] = {
+                        "action": action,
+                        "diffs": [
+                            max_diff(dict(batch["choices"][i]["logprobs"]["top_logprobs"][0]),
+                                     await reference_top(session, fleet, prompt))
+                            for i, prompt in enumerate((a, b))
+                        ],
+                    }
                     out["stats"] = rr.router.planner.stats()
                     out["metrics"] = await (await session.get(rr.url + "/metrics")).text()
+        # (e) no prefill pod answers (e.g. while it restarts): D prefills the turn itself
+        cfg = pd_router_config(fleet)
+        dead = f"http://127.0.0.1:{free_port()}"
+        cfg = msgspec.structs.replace(
+            cfg, engines=[msgspec.structs.replace(e, url=dead) if e.pod == fleet.prefill.pod else e for e in cfg.engines]
+        )
+        async with RunningRouter(cfg) as rr:
+            t = await run_turn(session, rr.url, fleet, "p-down", ids("p-down", 100), max_tokens=4)
+            out["p_down"] = {"t": t, "pd": rr.router.turns[-1], "metrics": await (await session.get(rr.url + "/metrics")).text()}
     return out
 
 
@@ -294,3 +321,21 @@ def test_c_expired_and_gone_decode_fall_back(outcome: dict[str, Any]) -> None:
     repeated = sum(1 for f in outcome["engine_failures"] if f["guard"])
     assert sum(outcome["stats"].fallbacks.values()) == 2 + repeated
     assert "kvindex_router_pd_fallbacks_total" in outcome["metrics"]
+
+
+def test_d_batch_of_prompts_is_answered_for_each_prompt(outcome: dict[str, Any]) -> None:
+    """Each prompt of a batch gets the answer of an engine computing that prompt (through one P
+    prefill, D would load the first prompt's KV for the second)."""
+    r = outcome["batch"]
+    assert r["action"] == "decode_only"
+    assert max(r["diffs"]) <= TOLERANCE, r["diffs"]
+
+
+def test_e_unreachable_prefill_pod_leaves_the_turn_to_decode(outcome: dict[str, Any]) -> None:
+    r = outcome["p_down"]
+    t, pd = r["t"], r["pd"]
+    assert t.status == 200, t.answer
+    assert t.headers["x-kvindex-pd-action"] == "decode_only" and pd.prefill_status == 502
+    assert "unreachable" in pd.plan.reasons[-1]
+    assert len(t.output_ids) == 4 and t.d_computed == 100
+    assert 'kvindex_router_pd_fallbacks_total{cause="prefill_unreachable"} 1.0' in r["metrics"]
