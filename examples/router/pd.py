@@ -33,6 +33,9 @@ One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
    tokens D retains).  D's answer carries the next turn's params
    (bidirectional only, and only in non-streaming answers in vLLM 0.32);
    :meth:`PDPlanner.decode_answered` refreshes the conversation's entry.
+   If D fails (HTTP 5xx) with P's params, e.g. because P went away before D
+   read its blocks, D is asked once more without them (cause
+   ``decode_http_<status>``).
 5. The client gets D's answer without ``kv_transfer_params`` and without the
    token-id fields it did not ask for.
 
@@ -312,7 +315,18 @@ class PDRouter(Router):
         d_body.pop("stream_options", None)
         d_body["return_token_ids"] = True
         t1 = time.perf_counter()
-        d_status, d_raw = await self._post(plan.decode_pod, path, d_body, headers)
+        d_status, d_raw, reached = await self._post_reached(plan.decode_pod, path, d_body, headers)
+        if d_status >= 500 and reached and d_body["kv_transfer_params"] is not None:
+            # D could not load P's KV (e.g. P went away after answering: D answers 500 under the
+            # default kv_load_failure_policy "fail"): D once more without remote params, prefilling itself
+            cause = f"decode_http_{d_status}"
+            turn.fallback_error = d_raw[:500].decode("utf-8", "replace")
+            self.m_pd_fallbacks.labels(cause).inc()
+            turn.plan = plan = msgspec.structs.replace(
+                plan, reasons=[*plan.reasons, f"D failed to load P's KV ({cause}): D prefills the request itself"]
+            )
+            d_body["kv_transfer_params"] = None
+            d_status, d_raw = await self._post(plan.decode_pod, path, d_body, headers)
         turn.decode_ms = (time.perf_counter() - t1) * 1000.0
         turn.decode_status = d_status
         if d_status != 200:

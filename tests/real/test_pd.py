@@ -16,7 +16,8 @@ behind the P/D router (examples/router/pd.py, built on connector.planner.PDPlann
     gone away: P fails the pull (HTTP 500), the router recomputes once, the client gets its answer;
 (d) a batch of two prompts is served by D alone, and each prompt's answer matches an engine
     computing that prompt;
-(e) with no prefill pod answering, D serves the turn alone.
+(e) with no prefill pod answering, D serves the turn alone;
+(f) D failing to load P's blocks (HTTP 500) is asked once more without remote params.
 
 One engine pair for the module; run under ``flock /tmp/kvindex-engines.lock``.
 """
@@ -222,6 +223,15 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
         async with RunningRouter(cfg) as rr:
             t = await run_turn(session, rr.url, fleet, "p-down", ids("p-down", 100), max_tokens=4)
             out["p_down"] = {"t": t, "pd": rr.router.turns[-1], "metrics": await (await session.get(rr.url + "/metrics")).text()}
+        # (f) P answered but its blocks cannot be read (its side channel no longer answers): D fails the
+        # load (HTTP 500) and is asked once more without remote params
+        async with RunningRouter(pd_router_config(fleet)) as rr:
+            def unreadable(p: Any) -> dict[str, Any] | None:
+                return None if p is None else {**p.to_dict(), "remote_port": free_port(), "remote_engine_id": "gone-p"}
+
+            rr.router.planner.decode_params = unreadable  # type: ignore[method-assign]
+            t = await run_turn(session, rr.url, fleet, None, ids("p-gone", 100), max_tokens=4)
+            out["p_gone"] = {"t": t, "pd": rr.router.turns[-1], "metrics": await (await session.get(rr.url + "/metrics")).text()}
     return out
 
 
@@ -339,3 +349,13 @@ def test_e_unreachable_prefill_pod_leaves_the_turn_to_decode(outcome: dict[str, 
     assert "unreachable" in pd.plan.reasons[-1]
     assert len(t.output_ids) == 4 and t.d_computed == 100
     assert 'kvindex_router_pd_fallbacks_total{cause="prefill_unreachable"} 1.0' in r["metrics"]
+
+
+def test_f_decode_that_cannot_load_prefill_kv_prefills_itself(outcome: dict[str, Any]) -> None:
+    r = outcome["p_gone"]
+    t, pd = r["t"], r["pd"]
+    assert t.status == 200, t.answer
+    assert pd.decode_status == 200 and pd.fallback_error, pd
+    assert "D prefills the request itself" in pd.plan.reasons[-1]
+    assert len(t.output_ids) == 4
+    assert 'kvindex_router_pd_fallbacks_total{cause="decode_http_500"} 1.0' in r["metrics"]
