@@ -69,6 +69,7 @@ from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
 from examples.router.app import HOP_BY_HOP, Router, RouterConfig
 from indexer import Indexer
+from scorer.prefix import reads_prefix_cache
 
 if TYPE_CHECKING:
     from connector.redis_retained import RedisRetainedStore
@@ -524,11 +525,11 @@ def decode_only_reason(body: dict[str, Any], chat: bool) -> str | None:
       blocks, P frees them after the first read (its ``_get_new_notifs`` logs
       "Potentially invalid KV blocks ... retrieved" for the others), and D's
       answer carries the params of one sample, not necessarily choice 0's;
-    - prompt logprobs (``prompt_logprobs``, or ``echo`` with ``logprobs``,
-      or ``echo`` on chat, where ``top_logprobs`` defaults to 0): vLLM sets
-      ``skip_reading_prefix_cache`` and its scheduler drops the external load
-      for such a request (``vllm/v1/core/sched/scheduler.py``), so D
-      recomputes the prompt and P's prefill would be wasted.
+    - prompt logprobs (:func:`scorer.prefix.reads_prefix_cache` is False:
+      ``prompt_logprobs``, or ``echo`` with ``logprobs``, or ``echo`` on chat):
+      vLLM sets ``skip_reading_prefix_cache`` and its scheduler drops the
+      external load for such a request (``vllm/v1/core/sched/scheduler.py``),
+      so D recomputes the prompt and P's prefill would be wasted.
     """
     if not chat:
         prompt = body.get("prompt")
@@ -539,10 +540,8 @@ def decode_only_reason(body: dict[str, Any], chat: bool) -> str | None:
         return f"n={n} (each sample would read P's blocks, which P frees after the first read)"
     if body.get("use_beam_search"):
         return "beam search (several sequences per request)"
-    if body.get("prompt_logprobs") is not None:
-        return "prompt_logprobs (vLLM recomputes the prompt instead of loading P's KV)"
-    if body.get("echo") and (chat or body.get("logprobs") is not None):
-        return "echo with prompt logprobs (vLLM recomputes the prompt instead of loading P's KV)"
+    if not reads_prefix_cache("/v1/chat/completions" if chat else "/v1/completions", body):
+        return "prompt logprobs (vLLM recomputes the prompt instead of loading P's KV)"
     return None
 
 
