@@ -105,8 +105,8 @@ def view(index: KVBlockIndex, e: ModelEngine) -> set[tuple[int, str]]:
     return out
 
 
-class EngineMachine(RuleBasedStateMachine):
-    """Engines -> (faults) -> EventPool -> index; replay over real ZMQ ROUTER sockets."""
+class EngineSystem:
+    """Engines with their replay server -> EventPool -> the index under test: what the machines share (no rules)."""
 
     index_factory: IndexFactory = staticmethod(lambda tp: KVBlockIndex(tp))  # type: ignore[assignment]
     publishers = PUBLISHERS
@@ -118,12 +118,10 @@ class EngineMachine(RuleBasedStateMachine):
         self.server: ReplayServer | None = None
         self.pool = EventPool(self.index, concurrency=2, queue_size=QUEUE, replay_timeout=3.0)
         self.pool.start()
-        self.held: list[tuple[ModelEngine, tuple[bytes, bytes, bytes]]] = []
         self.faults: Counter[str] = Counter()
 
-    # -- plumbing
-
     def setup_engines(self, buffers: list[int]) -> None:
+        """One model engine per publisher with the given replay buffer lengths, and their replay server."""
         self.engines = [
             ModelEngine(pod, model, rank, PATHS, buffer_steps=b, capacity=12)
             for (pod, model, rank), b in zip(self.publishers, buffers)
@@ -131,7 +129,18 @@ class EngineMachine(RuleBasedStateMachine):
         self.server = ReplayServer(self.engines)
 
     def source(self, e: ModelEngine) -> Source:
+        """The pool's source for ``e``'s messages (its pod, model and replay endpoint)."""
         return Source(pod=e.pod, replay=self.server.endpoint(e), model=e.model)  # type: ignore[union-attr]
+
+
+class EngineMachine(EngineSystem, RuleBasedStateMachine):
+    """Engines -> (faults) -> EventPool -> index; replay over real ZMQ ROUTER sockets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[ModelEngine, tuple[bytes, bytes, bytes]]] = []
+
+    # -- plumbing
 
     def send(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
         return self.pool.submit(RawMessage(self.source(e), *frames))
@@ -351,7 +360,88 @@ class OutageEngineMachine(EngineMachine):
             time.sleep(0.05)
 
 
-class ZmqEngineMachine(EngineMachine):
+class ZmqPublishers:
+    """Engines publishing on real XPUB sockets, a Subscriber feeding the pool (no rules; mixed into a machine).
+
+    XPUB is a PUB that also reports its subscribers' subscription messages:
+    :meth:`subscribed` tells, from the publisher's side, whether a
+    subscription has reached it (what is published before is dropped without
+    a trace: ZMQ's "slow joiner").
+    """
+
+    SNDHWM = 64
+    RCVHWM = 8
+    #: a send beyond SNDHWM fails (zmq.Again, so the model knows it) instead of being dropped silently
+    NODROP = False
+
+    def bind_publisher(self, e: ModelEngine, address: str = "tcp://127.0.0.1:*") -> str:
+        """Bind ``e``'s publisher on ``address`` (its old address again after a restart); returns the endpoint.
+
+        A closed socket's listener is released by ZMQ's own threads, so a
+        rebind on the same port is retried while the port is still in use.
+        """
+        s = zmq.Context.instance().socket(zmq.XPUB)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.SNDHWM)
+        if self.NODROP:
+            s.setsockopt(zmq.XPUB_NODROP, 1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                s.bind(address)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    s.close(linger=0)
+                    raise
+                time.sleep(0.01)
+        self.pubs[id(e)] = s
+        self.subs_seen[id(e)] = False
+        return s.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def bind_publishers(self) -> None:
+        """Bind every engine's publisher on a free loopback port."""
+        self.pubs: dict[int, zmq.Socket] = {}
+        self.subs_seen: dict[int, bool] = {}
+        self.addresses = {id(e): self.bind_publisher(e) for e in self.engines}
+
+    def start_subscriber(self) -> None:
+        """The router's side: a Subscriber (connect mode) to every engine's publisher and replay endpoint."""
+        endpoints = [
+            EngineEndpoint(
+                endpoint=self.addresses[id(e)], pod=e.pod, replay_endpoint=self.server.endpoint(e),  # type: ignore[union-attr]
+                dp_rank=e.dp_rank, model=e.model,
+            )
+            for e in self.engines
+        ]
+        self.sub = Subscriber(self.pool, endpoints, rcvhwm=self.RCVHWM)
+        self.sub.start()
+
+    def subscribed(self, e: ModelEngine) -> bool:
+        """Whether a subscription has reached ``e``'s publisher (reads what it reported, never waits)."""
+        s = self.pubs[id(e)]
+        while s.poll(0):
+            msg = s.recv()
+            if msg[:1] in (b"\x00", b"\x01"):
+                self.subs_seen[id(e)] = msg[:1] == b"\x01"  # 0: the subscription left (its connection closed)
+        return self.subs_seen[id(e)]
+
+    def send(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
+        try:
+            self.pubs[id(e)].send_multipart(list(frames), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close_zmq(self) -> None:
+        """Stop the subscriber and close every publisher."""
+        if getattr(self, "sub", None) is not None:
+            self.sub.stop()
+        for s in getattr(self, "pubs", {}).values():
+            s.close(linger=0)
+
+
+class ZmqEngineMachine(ZmqPublishers, EngineMachine):
     """The same model over real PUB/SUB sockets through the Subscriber, with a small receive high-water mark.
 
     Steps start once every publisher has seen its subscription.  Messages the
@@ -363,45 +453,24 @@ class ZmqEngineMachine(EngineMachine):
     """
 
     publishers = ZMQ_PUBLISHERS
-    RCVHWM = 8
 
     def setup_engines(self, buffers: list[int]) -> None:
         super().setup_engines(buffers)
-        self.ctx = zmq.Context.instance()
-        self.pubs: dict[int, zmq.Socket] = {}
-        endpoints = []
-        for e in self.engines:
-            # XPUB: a PUB that also reports its subscribers' subscriptions (see below)
-            s = self.ctx.socket(zmq.XPUB)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, 64)
-            s.bind("tcp://127.0.0.1:*")
-            self.pubs[id(e)] = s
-            endpoints.append(EngineEndpoint(
-                endpoint=s.getsockopt_string(zmq.LAST_ENDPOINT), pod=e.pod,
-                replay_endpoint=self.server.endpoint(e), dp_rank=e.dp_rank, model=e.model,  # type: ignore[union-attr]
-            ))
-        self.sub = Subscriber(self.pool, endpoints, rcvhwm=self.RCVHWM)
-        self.sub.start()
+        self.bind_publishers()
+        self.start_subscriber()
         # PUB/SUB's slow joiner: until a subscription reaches the publisher, what it sends is
-        # dropped without a trace.  A lost first batch is not a fault the model injects (on a slow
+        # dropped without a trace.  A lost first batch is not a fault this model injects (on a slow
         # machine the replay can come after a short buffer moved past it), so steps start only
-        # once every publisher has its subscriber.
+        # once every publisher has its subscriber (RejoinEngineMachine publishes at once).
+        deadline = time.monotonic() + 30
         for e in self.engines:
-            s = self.pubs[id(e)]
-            assert s.poll(30_000), f"{e}: no subscription arrived"
-            assert s.recv()[:1] == b"\x01"
+            while not self.subscribed(e):
+                assert time.monotonic() < deadline, f"{e}: no subscription arrived"
+                self.pubs[id(e)].poll(100)
 
     @initialize(buffers=st.lists(st.integers(2, 60), min_size=len(ZMQ_PUBLISHERS), max_size=len(ZMQ_PUBLISHERS)))
     def start(self, buffers: list[int]) -> None:
         self.setup_engines(buffers)
-
-    def send(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> bool:
-        try:
-            self.pubs[id(e)].send_multipart(list(frames), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
 
     def send_surely(self, e: ModelEngine, frames: tuple[bytes, bytes, bytes]) -> None:
         self.send(e, frames)  # PUB/SUB may still lose it; settle() repeats until every stream is current
@@ -439,10 +508,7 @@ class ZmqEngineMachine(EngineMachine):
         try:
             super().teardown()
         finally:
-            if self.engines:
-                self.sub.stop()
-                for s in self.pubs.values():
-                    s.close(linger=0)
+            self.close_zmq()
 
 
 COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
