@@ -534,7 +534,7 @@ class _Shard:
             elif t is Replay:
                 self._replay(st, a.start)
             elif t is Confirm:
-                self._run(st, st.seq.confirmed(self._same_process(st, a.seq)))
+                self._run(st, st.seq.confirmed(self._same_process(st, a.seq, a.ts)))
         if st.seq.retry_pending:
             self._schedule_retry(st)
 
@@ -668,8 +668,8 @@ class _Shard:
             self._run(st, st.seq.retry())
             self.retry_not_before = time.monotonic() + (time.monotonic() - now)
 
-    def _same_process(self, st: _Stream, seq: int) -> bool | None:
-        """Is the publisher still the process whose batch ``seq`` we applied?
+    def _same_process(self, st: _Stream, seq: int, ts: float | None) -> bool | None:
+        """Is the publisher still the process whose batch ``seq`` (engine timestamp ``ts``) we applied?
 
         Asks the replay endpoint for batches from ``seq``: the same process
         still has that batch with the same engine timestamp (a process that
@@ -683,7 +683,7 @@ class _Shard:
                 if r_batch is None:
                     return False
                 # only the first batch matters; closing the generator discards the rest
-                return r_seq == seq and r_batch.ts == st.seq.last_ts
+                return r_seq == seq and r_batch.ts == ts
             return False
         except TimeoutError:
             self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")

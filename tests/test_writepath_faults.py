@@ -625,3 +625,30 @@ def test_a_dropped_message_leaves_one_marker_at_its_place_in_the_queue() -> None
         items.append(shard.queue.get_nowait())
     assert items[:2] == [msg, msg] and items[2:] == [_Dropped("pod-a")]
     assert pool.stats().dropped_messages == 2
+
+
+# ---------------------------------------------------------------- joining and rejoining, then idle
+# (found by tests/test_engine_model.py's RejoinEngineMachine; here the subscriber's notices are
+# given in the order it can give them, and no live message ever reveals the loss)
+
+
+def test_a_message_continuing_our_seq_after_a_disconnect_does_not_stand_for_the_reconnect_check(
+    rigs: list[Rig],
+) -> None:
+    """The connection drops; the old connection's last message (our next seq) reaches the pool
+    after the disconnect notice; the engine restarts and its first batch is lost while the
+    subscription rejoins; it stays idle.  The reconnect must still find the new process: the
+    old process's blocks may not stay in the index."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10)
+    old = e.publish(store(e, 1))
+    rig.pool.disconnected(e.pod, 0)
+    rig.deliver(e, old)
+    e.restart()
+    e.publish(store(e, 2))  # lost: the subscription has not rejoined yet
+    rig.pool.reconnected(e.pod, 0, rig.source(e))
+    assert rig.pool.flush(10)
+    assert rig.view(e) == e.view() and rig.state(e).complete and rig.pool.stats().restarts == 1
