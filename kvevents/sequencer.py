@@ -918,7 +918,11 @@ class Sequencer:
         return out
 
     def bootstrap(self) -> list[Action]:
-        """The subscriber connected for the first time: take what the engine still buffers."""
+        """The subscriber connected for the first time: take what the engine still buffers.
+
+        Also a later look at the buffer of a publisher whose subscription
+        (re)joined (from our last batch on, which the same process still holds).
+        """
         out: list[Action] = []
         if not self.has_replay or self._candidate is not None:
             return out
