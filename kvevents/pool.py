@@ -19,6 +19,13 @@ See :mod:`kvevents.sequencer` for the rules, including the restart rule (a
 backward seq is a restart only when the engine's replay buffer, or the
 stream's next message, confirms it).
 
+Joining: the subscriber sees its connection's handshake, not the moment the
+publisher takes the subscription; a batch published in between is lost live
+and may be missing from the replay asked at the handshake.  Until a
+publisher's first live message after a (re)join, the pool looks at its
+replay buffer again a few times (``rejoin_checks``), so an engine that goes
+idle right after such a batch is still indexed.
+
 Overflow policy: at most ``queue_size`` messages wait per shard (control items
 such as flush, stop and disconnect notices are never refused).  Beyond that a
 message is dropped, counted in ``dropped_messages``, and its pod's streams
@@ -356,6 +363,9 @@ class _Shard:
         self.retry_not_before = 0.0
         # bootstraps whose first ask failed, asked again after the pool's backoff: (deadline, failures, item)
         self.boot_at: list[tuple[float, int, _Bootstrap]] = []
+        # (pod, rank) -> (deadline, checks done, how to ask) of the next look at the buffer of a publisher
+        # whose subscription (re)joined and that has not been heard from since (see ``_rejoin_checks``)
+        self.rejoin: dict[tuple[str, int], tuple[float, int, _Bootstrap]] = {}
         # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
         self.index_gen = getattr(pool.index, "generation", 0)
         self.replay = ReplayClient(
@@ -398,6 +408,8 @@ class _Shard:
                     self._guarded(self._retries)
                 if self.boot_at:
                     self._guarded(self._boot_retries)
+                if self.rejoin:
+                    self._guarded(self._rejoin_checks)
                 try:
                     item = self.queue.get(timeout=0.05)
                 except queue.Empty:
@@ -431,12 +443,14 @@ class _Shard:
                 self._retries()
             item.done.set()
         elif isinstance(item, _Bootstrap):
-            self._bootstrap(item)
+            if self._bootstrap(item):
+                self._rejoined(item, 0)
         elif isinstance(item, _Dropped):
             # where the lost message was: a candidate held before it is not continued by what follows
             for st in self._streams_of(item.pod):
                 self._run(st, st.seq.dropped(in_place=True))
         elif isinstance(item, _Disconnected):
+            self.rejoin.pop((item.pod, item.dp_rank), None)  # the reconnect looks again
             for st in self._streams_of(item.pod, item.dp_rank):
                 self._run(st, st.seq.disconnected())
         elif isinstance(item, _Reconnected):
@@ -444,12 +458,16 @@ class _Shard:
             fresh = all(st.seq.last is None for st in streams)  # nothing applied (yet, or since a restart)
             for st in streams:
                 self._run(st, st.seq.reconnected())
-            if fresh and item.source is not None:
-                # nothing to check against the engine, and what it published while we rejoined
-                # (a restarted engine's first batches) is only in its buffer: take it from there
-                self._bootstrap(_Bootstrap(item.source, item.pod, item.dp_rank))
+            if item.source is not None:
+                boot = _Bootstrap(item.source, item.pod, item.dp_rank)
+                # nothing to check against the engine when fresh, and what it published while we
+                # rejoined (a restarted engine's first batches) is only in its buffer: take it from there
+                if not fresh or self._bootstrap(boot):
+                    self._rejoined(boot, 0)
         elif isinstance(item, _Forget):
             self.boot_at = [b for b in self.boot_at if b[2].pod != item.pod]
+            for key in [k for k in self.rejoin if k[0] == item.pod]:
+                del self.rejoin[key]
             for key in [k for k in self.streams if k[0] == item.pod]:
                 del self.streams[key]
                 self.resync_due.discard(key)
@@ -488,6 +506,8 @@ class _Shard:
             self._error("seq", "live message carries the replay end-marker seq")
             return
         rank = batch.dp_rank if batch.dp_rank is not None else msg.source.dp_rank
+        if self.rejoin:
+            self.rejoin.pop((pod, rank), None)  # heard from: the subscription has taken effect
         st = self._stream(pod, model, rank, msg.source)
         st.messages += 1
         self._run(st, st.seq.live(_as_batch(seq, batch)))
@@ -534,7 +554,7 @@ class _Shard:
             elif t is Replay:
                 self._replay(st, a.start)
             elif t is Confirm:
-                self._run(st, st.seq.confirmed(self._same_process(st, a.seq)))
+                self._run(st, st.seq.confirmed(self._same_process(st, a.seq, a.ts)))
         if st.seq.retry_pending:
             self._schedule_retry(st)
 
@@ -668,8 +688,8 @@ class _Shard:
             self._run(st, st.seq.retry())
             self.retry_not_before = time.monotonic() + (time.monotonic() - now)
 
-    def _same_process(self, st: _Stream, seq: int) -> bool | None:
-        """Is the publisher still the process whose batch ``seq`` we applied?
+    def _same_process(self, st: _Stream, seq: int, ts: float | None) -> bool | None:
+        """Is the publisher still the process whose batch ``seq`` (engine timestamp ``ts``) we applied?
 
         Asks the replay endpoint for batches from ``seq``: the same process
         still has that batch with the same engine timestamp (a process that
@@ -683,7 +703,7 @@ class _Shard:
                 if r_batch is None:
                     return False
                 # only the first batch matters; closing the generator discards the rest
-                return r_seq == seq and r_batch.ts == st.seq.last_ts
+                return r_seq == seq and r_batch.ts == ts
             return False
         except TimeoutError:
             self._error("replay_timeout", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} timed out")
@@ -692,17 +712,19 @@ class _Shard:
             self._error("replay", f"pod {st.pod} rank {st.rank}: replay from {st.replay_endpoint} failed: {exc}")
             return None
 
-    def _bootstrap(self, item: _Bootstrap, failures: int = 0) -> None:
+    def _bootstrap(self, item: _Bootstrap, failures: int = 0) -> bool:
         """Rebuild a publisher's stream from its replay buffer when the subscriber first connects.
 
         The stream is keyed by the model its topic names (as its live
         messages will be), so the first buffered batch is fetched first to
         learn it; an empty buffer leaves the stream to the first live message.
+        Returns False when the endpoint could not be asked (then asked again
+        later, up to ``replay_retries`` failures in all).
         """
         src = item.source
         endpoint = src.replay_endpoint(item.pod, item.dp_rank)
         if endpoint is None:
-            return
+            return True
         model = src.model
         try:
             for topic, _seq, _payload in self.replay.request(endpoint, 0):
@@ -710,17 +732,18 @@ class _Shard:
                     model = parse_topic(topic)[1] or model
                 break  # closing the request discards the rest
             else:
-                return
+                return True
         except TimeoutError:
             self._error("replay_timeout", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} timed out")
             self._boot_later(item, failures)
-            return
+            return False
         except (ValueError, zmq.ZMQError) as exc:
             self._error("replay", f"pod {item.pod} rank {item.dp_rank}: replay from {endpoint} failed: {exc}")
             self._boot_later(item, failures)
-            return
+            return False
         st = self._stream(item.pod, model, item.dp_rank, src)
         self._run(st, st.seq.bootstrap())
+        return True
 
     def _boot_later(self, item: _Bootstrap, failures: int) -> None:
         """A bootstrap whose ask failed is asked again after the pool's backoff (as a failed
@@ -744,7 +767,50 @@ class _Shard:
             if self._streams_of(item.pod, item.dp_rank):
                 continue  # a live message started the stream (its start is checked against the buffer)
             self.c.replay_retries += 1
-            self._bootstrap(item, failures)
+            if self._bootstrap(item, failures):
+                self._rejoined(item, 0)  # answered at last: the subscription's join window may not be over
+
+    def _rejoined(self, item: _Bootstrap, done: int) -> None:
+        """Schedule the next look at the buffer of a publisher whose subscription (re)joined.
+
+        The subscriber learns of the connection at its handshake, and the
+        pool then asks the engine's buffer (bootstrap, reconnect check); but
+        the subscription takes effect at the publisher a little later, and a
+        batch published in between is lost live and not in that answer.  An
+        engine that then stays idle would never reveal the loss, so the buffer
+        is asked again ``rejoin_checks`` times (``rejoin_check_delay`` seconds
+        after, doubling) until a live message of the publisher arrives, which
+        shows the subscription in effect (a loss before it is then a gap), or
+        until an ask fails (the endpoint's retries then go on as for any
+        failed replay; a bootstrap answered at last by its retry looks again).
+        """
+        pool = self.pool
+        if done >= pool.rejoin_checks or item.source.replay_endpoint(item.pod, item.dp_rank) is None:
+            self.rejoin.pop((item.pod, item.dp_rank), None)
+            return
+        when = time.monotonic() + pool.rejoin_check_delay * 2.0**done
+        self.rejoin[(item.pod, item.dp_rank)] = (when, done + 1, item)
+
+    def _rejoin_checks(self) -> None:
+        """Look again at the buffers of rejoined publishers not heard from since (see ``_rejoined``)."""
+        now = time.monotonic()
+        for key, (when, done, item) in list(self.rejoin.items()):
+            if when > now:
+                continue
+            streams = self._streams_of(item.pod, item.dp_rank)
+            failures = self.c.replay_failures
+            if any(st.seq.retry_pending for st in streams):
+                ok = True  # a failed replay waits for its retry, which asks the buffer anyway
+            elif streams:
+                for st in streams:  # from our last batch on, which the same process still holds
+                    self._run(st, st.seq.bootstrap())
+                ok = self.c.replay_failures == failures
+            else:
+                ok = self._bootstrap(item)  # none yet: the buffer was empty (or its ask failed)
+            if ok:
+                self._rejoined(item, done)
+            else:
+                self.rejoin.pop(key, None)
 
     def _note_drops(self) -> None:
         """Streams of pods that lost a message to a full queue: incomplete now, replayed when idle."""
@@ -823,6 +889,17 @@ class EventPool:
             fetches them from the engine's buffer).  When the retries run out
             the stream goes on as without a replay endpoint (incomplete) until
             the endpoint answers a later check.
+        rejoin_checks / rejoin_check_delay: after a subscription (re)joins
+            (:meth:`bootstrap`, or :meth:`reconnected` with a source), the
+            engine's replay buffer is asked again this many times (>= 0),
+            ``rejoin_check_delay`` seconds after (doubling: with the defaults
+            over ~13 s), until a live message of that publisher arrives.  The
+            subscriber sees its handshake, not the moment the publisher takes
+            the subscription: a batch published in between is lost live, is
+            not in the answer asked at the handshake, and an engine that then
+            stays idle never reveals the gap.  A subscription that takes
+            effect later than the last check leaves that batch lost until the
+            engine's next message.
         zmq_context: context for replay sockets (default: the process's).
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
@@ -840,6 +917,8 @@ class EventPool:
         replay_retries: int = 10,
         replay_retry_delay: float = 0.05,
         replay_retry_max_delay: float = 5.0,
+        rejoin_checks: int = 6,
+        rejoin_check_delay: float = 0.2,
         zmq_context: zmq.Context | None = None,
     ) -> None:
         if concurrency < 1:
@@ -860,6 +939,12 @@ class EventPool:
                 "need 0 < replay_retry_delay <= replay_retry_max_delay < 3600 seconds, got "
                 f"{replay_retry_delay}, {replay_retry_max_delay}"
             )
+        if rejoin_checks < 0:
+            raise ValueError(f"rejoin_checks must be >= 0, got {rejoin_checks}")
+        if not 0 < rejoin_check_delay < 3600:
+            raise ValueError(f"rejoin_check_delay must be in (0, 3600) seconds, got {rejoin_check_delay}")
+        self.rejoin_checks = rejoin_checks
+        self.rejoin_check_delay = rejoin_check_delay
         self.replay_timeout = replay_timeout
         self.replay_max_batches = replay_max_batches
         self.replay_retries = replay_retries

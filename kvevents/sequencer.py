@@ -130,9 +130,12 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
 - A stream's first message (new, or after a clear) is checked against the
   replay buffer too, even at seq 0: the stream is built from the engine's
   buffer from seq 0 and the message applies only if the buffer confirms it.
-- After a disconnect, the next message is applied directly only when it
-  continues the sequence; otherwise (and at once on reconnect) the process is
-  checked as for a restart.  A confirmed same process is then replayed from
+- After a disconnect, messages that continue the sequence are applied
+  directly; any other message, and the reconnect in any case, checks the
+  process as for a restart, against our last batch from before the
+  disconnect (a continuing message proves nothing: the dropped connection's
+  last messages and a restarted engine's batches can both arrive before the
+  reconnect notice).  A confirmed same process is then replayed from
   our last seq + 1 (what was missed meanwhile); without a replay endpoint a
   reconnect clears the stream (a restarted engine's old blocks are never
   predicted) and leaves it incomplete.
@@ -205,9 +208,11 @@ class Replay(NamedTuple):
 
 
 class Confirm(NamedTuple):
-    """Ask the replay endpoint for the batch at ``seq``; answer with :meth:`Sequencer.confirmed`."""
+    """Ask the replay endpoint for the batch at ``seq``; answer with :meth:`Sequencer.confirmed`
+    whether it is there with engine timestamp ``ts`` (the batch we applied at ``seq``)."""
 
     seq: int
+    ts: float | None
 
 
 class Count(NamedTuple):
@@ -245,6 +250,7 @@ class Sequencer:
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
         "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_recent", "_r_bad", "_held",
+        "_mark",
     )
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
@@ -272,7 +278,10 @@ class Sequencer:
         self.last_ts: float | None = None
         self.exact = False  # applied state == engine state as of ``last``
         self.lost = False  # messages after ``last`` may have been lost
-        self.suspect = False  # the connection dropped since ``last``
+        self.suspect = False  # the connection dropped and no check since has found the process we know
+        # (seq, ts) of the last batch applied before the connection dropped, until a check after the
+        # reconnect finds it in the engine's buffer: what was applied since may be another process's
+        self._mark: tuple[int, float | None] | None = None
         self.complete = False
         self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
         self._recent: dict[int, float] = {}  # seq -> ts of the last RECENT batches applied (live or replayed)
@@ -325,11 +334,19 @@ class Sequencer:
         self._check_due = False
         self.last = self.last_ts = None
         self.suspect = False  # nothing applied is left for a reconnect to check
+        self._mark = None
         self._replayed.clear()
         self._recent.clear()
         self._replay_max = -1
         self._holes.clear()
         self.exact = False
+
+    def _known(self) -> tuple[int, float | None]:
+        """(seq, ts) of the batch a check asks the engine for: the last one applied before the
+        connection dropped while no check has found it since, else the last one applied."""
+        if self._mark is not None:
+            return self._mark
+        return self.last, self.last_ts  # type: ignore[return-value]
 
     def _start_replay(self, out: list[Action], op: str, start: int) -> list[Action]:
         self._op = op
@@ -339,9 +356,10 @@ class Sequencer:
         self._r_bad = None
         if self.last is not None and start == self.last + 1:
             # ask from our last batch too: the same process still has it with the same timestamp,
-            # so a restart whose new seqs passed ours is caught here
-            start = self.last
-            self._r_verify = (self.last, self.last_ts)
+            # so a restart whose new seqs passed ours is caught here (after a disconnect, from our
+            # last batch before it: see ``_known``)
+            self._r_verify = self._known()
+            start = self._r_verify[0]
         self._r_start = start
         self._r_last0 = self.last
         self._r_first = None
@@ -478,8 +496,11 @@ class Sequencer:
             out.append(Count("deferred"))
             return out
         if self.suspect and self.last is not None:
-            self.suspect = False
+            # our sequence continuing (what the dropped connection still delivered, or a blip) is
+            # applied below; the reconnect checks the process all the same, against our last batch
+            # from before the drop: a restarted engine's batch can continue our seq too
             if b.seq != self.last + 1:
+                self.suspect = False
                 self._pending = b
                 if not self.has_replay:
                     # cannot tell a restart from a blip: forget, then take this message as a fresh start
@@ -489,7 +510,7 @@ class Sequencer:
                     return out + self._fresh(b)
                 self._op = "confirm-live"
                 out.append(Count("replay_requests"))
-                out.append(Confirm(self.last))
+                out.append(Confirm(*self._known()))
                 return out
         if self.last is None:
             return out + self._fresh(b)
@@ -561,7 +582,7 @@ class Sequencer:
             self._pending = b
             self._op = "confirm-back"
             out.append(Count("replay_requests"))
-            out.append(Confirm(self.last))  # type: ignore[arg-type]
+            out.append(Confirm(*self._known()))
             return out
         self._hold(out, "back", b)
         return out
@@ -580,6 +601,8 @@ class Sequencer:
             return out  # a new process: replayed again from its seq 0 at the end
         if first and self._r_verify is not None and s == self._r_verify[0]:
             if b is not None and b.ts == self._r_verify[1]:
+                if not self.suspect:
+                    self._mark = None  # the reconnect is checked: the process we know
                 return out  # our last batch: the same process
             out.append(Count("restarts"))
             self._clear(out, f"the engine's batch {s} is not the one applied: a new process")
@@ -812,6 +835,8 @@ class Sequencer:
                 self._set_complete(out, "reconnect check failed")
             return out
         if same:
+            if not self.suspect:
+                self._mark = None  # the reconnect is checked: the process we know
             if pending is not None and pending.seq <= (self.last if self.last is not None else -1):
                 ours = self._recent.get(pending.seq)
                 if ours is not None and ours == pending.ts:
@@ -865,6 +890,8 @@ class Sequencer:
         out: list[Action] = []
         if self.last is not None:
             self.suspect = True
+            if self._mark is None:
+                self._mark = (self.last, self.last_ts)
             self.lost = True
             self._set_complete(out, "disconnected")
         return out
@@ -887,11 +914,15 @@ class Sequencer:
             return out
         self._op = "confirm-reconnect"
         out.append(Count("replay_requests"))
-        out.append(Confirm(self.last))
+        out.append(Confirm(*self._known()))
         return out
 
     def bootstrap(self) -> list[Action]:
-        """The subscriber connected for the first time: take what the engine still buffers."""
+        """The subscriber connected for the first time: take what the engine still buffers.
+
+        Also a later look at the buffer of a publisher whose subscription
+        (re)joined (from our last batch on, which the same process still holds).
+        """
         out: list[Action] = []
         if not self.has_replay or self._candidate is not None:
             return out

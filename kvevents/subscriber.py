@@ -11,7 +11,10 @@ by the engine, any other is connected to):
   its engines rebuilds what they still buffer, and a batch the engine
   published before our subscription took effect is in that replay.  Asking
   before the connection is up would lose such a batch until the engine's
-  next message revealed the gap (ZMQ's "slow joiner").
+  next message revealed the gap (ZMQ's "slow joiner").  The publisher takes
+  the subscription a little after the handshake, so the pool asks the
+  engine's buffer again a few times until its first live message arrives
+  (``EventPool``'s ``rejoin_checks``); the same after a reconnect.
 - bind mode: one SUB socket bound at ``bind``, engines configured with that
   address dial in; the pod comes from each message's topic ``kv@<pod>@<model>``
   and replay endpoints are looked up per pod in ``bind_replay``.

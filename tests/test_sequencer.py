@@ -234,7 +234,7 @@ def test_a_failed_reconnect_check_is_retried_and_nothing_applies_before_it() -> 
     s = started()
     s.disconnected()
     out = s.reconnected()
-    assert out[-1] == Confirm(2)
+    assert out[-1] == Confirm(2, 102.0)
     out = s.confirmed(None)
     assert s.retry_pending and not s.complete
     assert counts(s.live(b(3, ts=900.0))) == {"deferred": 1} and s.last == 2  # a new process's seq 3?
@@ -252,7 +252,7 @@ def test_a_reconnect_after_the_stream_was_cleared_asks_nothing_and_a_fresh_start
     first message starts the stream from its buffer.  Found by the sequencer world."""
     s = started(1)
     s.disconnected()
-    assert s.reconnected()[-1] == Confirm(0)
+    assert s.reconnected()[-1] == Confirm(0, 100.0)
     assert s.confirmed(True)[-1] == Replay(0)
     s.replay_end(False)
     assert s.retry_pending
@@ -273,25 +273,81 @@ def test_a_batch_applied_past_a_loss_after_giving_up_keeps_the_stream_incomplete
     down and was discarded by a second drop; its seq 1 continues our (old) seq 0 and is applied
     unchecked.  When the endpoint answers again, a replay from our last batch finds that batch
     (the new process's seq 1) and cannot see that our seq 0 was another process's: the stream
-    must not claim to be complete.  Found by the sequencer world."""
+    must not claim to be complete.  Found by the sequencer world (there, the retries were spent
+    by reconnect checks: see the next test for what a disconnect adds)."""
+    s = started(1, max_retries=1)
+    s.dropped()
+    for _ in range(2):  # the resyncs fail: the second one spends the retries
+        assert (s.idle() or s.retry())[-1] == Replay(0)
+        s.replay_end(False)
+    assert not s.retry_pending
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0, 100.0)  # the new process's seq 0: cannot be checked
+    s.confirmed(None)
+    s.dropped()  # discards it
+    assert s.idle()[-1] == Replay(0)
+    s.replay_end(False)
+    assert applied(s.live(b(1, ts=501.0))) == [1]  # the new process's seq 1, taken as is
+    assert s.live(b(3, ts=503.0))[-1] == Replay(1)  # a gap: the endpoint answers again
+    for k in (1, 2, 3):
+        s.replayed(b(k, ts=500.0 + k))
+    s.replay_end(True)
+    assert s.last == 3 and not s.complete
+
+
+def test_a_batch_applied_past_an_unchecked_disconnect_is_caught_once_the_endpoint_answers() -> None:
+    """As above, the retries spent by reconnect checks that failed: the check the endpoint finally
+    answers asks for our last batch from before the disconnect (seq 0 of the old process), which
+    the new process does not hold, so the stream is rebuilt from its buffer and complete.  (It
+    used to ask for our last batch, the new process's seq 1, and could only stay incomplete.)"""
     s = started(1, max_retries=1)
     s.dropped()
     for _ in range(2):  # the reconnect checks fail: the second one spends the retries
         s.disconnected()
-        assert s.reconnected()[-1] == Confirm(0)
+        assert s.reconnected()[-1] == Confirm(0, 100.0)
         s.confirmed(None)
-    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)  # the new process's seq 0: cannot be checked
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0, 100.0)  # the new process's seq 0: cannot be checked
     s.confirmed(None)
     s.dropped()  # discards it
     assert s.retry()[-1] == Replay(0)
     s.replay_end(False)
     assert applied(s.live(b(1, ts=501.0))) == [1]  # the new process's seq 1, taken as is
     s.disconnected()
-    assert s.reconnected()[-1] == Confirm(1)
-    assert s.confirmed(True)[-1] == Replay(1)  # the endpoint answers again
-    s.replayed(b(1, ts=501.0))
+    assert s.reconnected()[-1] == Confirm(0, 100.0)  # not Confirm(1, 501.0)
+    out = s.confirmed(False)  # the endpoint answers again: not the process we know
+    assert counts(out).get("restarts") == 1 and out[-1] == Replay(0)
+    assert applied(s.replayed(b(0, ts=500.0)) + s.replayed(b(1, ts=501.0))) == [0, 1]
     s.replay_end(True)
-    assert not s.complete
+    assert s.complete and s.last == 1 and s.last_ts == 501.0
+
+
+def test_a_restart_behind_a_message_that_continues_our_seq_after_a_disconnect_is_still_checked() -> None:
+    """The connection drops; a message continuing our sequence comes before the reconnect (what
+    the old connection still delivered, or a restarted engine's batch that overtook the reconnect
+    notice): it is applied, and the reconnect still checks the process, against our last batch
+    from before the drop.  It used to take the continuing message as proof of the same process
+    and check nothing at the reconnect, so a restarted engine that then stayed idle left the old
+    process's blocks in the index for good."""
+    s = started(3)  # 0..2 @ 100..102
+    s.disconnected()
+    assert applied(s.live(b(3))) == [3] and not s.complete
+    assert s.reconnected()[-1] == Confirm(2, 102.0)
+    out = s.confirmed(False)  # a new process (it published while we were reconnecting)
+    assert counts(out).get("restarts") == 1 and any(type(a) is Clear for a in out) and out[-1] == Replay(0)
+    assert applied(s.replayed(b(0, ts=900.0))) == [0]
+    s.replay_end(True)
+    assert s.complete and s.last == 0 and s.last_ts == 900.0
+    # the same process (a blip): checked, then what was missed meanwhile is replayed
+    s = started(3)
+    s.disconnected()
+    assert applied(s.live(b(3))) == [3]
+    assert s.reconnected()[-1] == Confirm(2, 102.0)
+    assert s.confirmed(True)[-1] == Replay(3)
+    s.replayed(b(3))
+    assert applied(s.replayed(b(4))) == [4]
+    s.replay_end(True)
+    assert s.complete and s.last == 4
+    s.disconnected()  # the next drop is checked against the batch applied last
+    assert s.reconnected()[-1] == Confirm(4, 104.0)
 
 
 def test_a_late_copy_of_our_last_batch_does_not_discard_a_waiting_restart_candidate() -> None:
@@ -300,7 +356,7 @@ def test_a_late_copy_of_our_last_batch_does_not_discard_a_waiting_restart_candid
     stays, and seq 1 confirms the restart (it used to be applied as our seq 1, mixing the two
     processes).  Found by the sequencer world."""
     s = started(1)
-    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0, 100.0)
     s.confirmed(None)
     assert counts(s.live(b(0))) == {"duplicates": 1}
     out = s.live(b(1, ts=501.0))
@@ -323,7 +379,7 @@ def test_restarts_in_a_row_while_the_endpoint_is_down_rebuild_from_the_newest_pr
     s = started(1)
     for gen in (1, 2, 3):
         out = s.live(b(0, ts=1000.0 * gen))
-        assert out[-1] == Confirm(0), out
+        assert out[-1] == Confirm(0, 100.0), out
         out = s.confirmed(None)  # the endpoint does not answer
         assert applied(out) == [] and s.last == 0
     out = s.live(b(1, ts=3000.5))  # the newest process's next batch
@@ -357,7 +413,7 @@ def test_a_gap_replay_whose_buffer_starts_after_our_last_batch_clears_the_stream
     buffer cannot vouch for our last batch: the stream is rebuilt from what it holds."""
     s = started(1)
     out = s.live(b(0, ts=2000.0))  # the new process's seq 0
-    assert out[-1] == Confirm(0)
+    assert out[-1] == Confirm(0, 100.0)
     s.confirmed(None)  # the endpoint does not answer: held as a candidate
     s.dropped()  # its seq 1 lost to a full queue
     out = s.live(b(2, ts=2000.2))
@@ -387,7 +443,7 @@ def test_a_backward_seq_that_could_not_be_checked_makes_the_stream_incomplete_un
     (the engine holding nothing of it) until a next message decided."""
     s = started(3)
     out = s.live(b(0, ts=2000.0))
-    assert out[-1] == Confirm(2)
+    assert out[-1] == Confirm(2, 102.0)
     out = s.confirmed(None)
     assert not s.complete and Complete(False, "a backward seq awaits its confirmation") in out
     # a message continuing our own sequence shows it was not the engine's: complete again
@@ -509,7 +565,7 @@ def test_our_next_seq_newer_than_a_backward_candidate_is_checked_not_applied() -
     candidate, its seq 1 is lost, and its seq 2 = our last + 1 used to discard the candidate
     and be applied as our old process's next batch (found by the engine-model test)."""
     s = started(2)  # 0@100, 1@101
-    assert s.live(b(0, ts=2000.0))[-1] == Confirm(1)
+    assert s.live(b(0, ts=2000.0))[-1] == Confirm(1, 101.0)
     s.confirmed(None)
     out = s.live(b(2, ts=2000.2))
     assert applied(out) == [] and out[-1] == Replay(1)
@@ -534,7 +590,7 @@ def test_a_new_process_whose_seq_1_overtook_its_seq_0_is_rebuilt_not_mixed() -> 
     s.replayed(b(0, ts=1002.0))
     s.replay_end(True)
     assert applied(s.live(b(1, ts=1003.1))) == [1]
-    assert s.live(b(0, ts=1003.0))[-1] == Confirm(1)
+    assert s.live(b(0, ts=1003.0))[-1] == Confirm(1, 1003.1)
     out = s.confirmed(True)
     assert any(isinstance(a, Clear) for a in out) and out[-1] == Replay(0)
     assert applied(s.replayed(b(0, ts=1003.0)) + s.replayed(b(1, ts=1003.1))) == [0, 1]
@@ -548,7 +604,7 @@ def test_a_live_duplicate_of_a_recent_batch_is_counted_as_one() -> None:
     s = started(1)
     assert applied(s.live(b(1)) + s.live(b(2))) == [1, 2]
     out = s.live(b(1))
-    assert out[-1] == Confirm(2)
+    assert out[-1] == Confirm(2, 102.0)
     out = s.confirmed(True)
     assert counts(out).get("duplicates") == 1 and not any(isinstance(a, Clear) for a in out)
 
@@ -593,7 +649,7 @@ def test_after_a_drop_the_next_seq_waits_for_the_failed_resync_not_applied() -> 
     waits in the engine's buffer for the retry, which finds the new process and rebuilds."""
     s = started(1)
     s.dropped()
-    assert s.live(b(0, ts=500.0))[-1] == Confirm(0)
+    assert s.live(b(0, ts=500.0))[-1] == Confirm(0, 100.0)
     s.confirmed(None)  # endpoint down: held as a candidate
     s.dropped()  # discards it
     out = s.idle()

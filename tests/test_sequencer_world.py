@@ -146,7 +146,7 @@ class World(RuleBasedStateMachine):
             elif t is Replay:
                 self.replay(a.start)
             elif t is Confirm:
-                self.run(self.seq.confirmed(self.same_process(a.seq)))
+                self.run(self.seq.confirmed(self.same_process(a.seq, a.ts)))
             else:
                 assert t in (Count, Complete), a
 
@@ -231,8 +231,8 @@ class World(RuleBasedStateMachine):
         self.log.append(f"  replay_end(ok={ok}, cut={cut})")
         self.run(self.seq.replay_end(ok, cut))
 
-    def same_process(self, seq: int) -> bool | None:
-        """``_Shard._same_process``: the endpoint's first batch from ``seq`` is ours (seq and time)."""
+    def same_process(self, seq: int, ts: float | None) -> bool | None:
+        """``_Shard._same_process``: the endpoint's first batch from ``seq`` is the one asked for (seq and time)."""
         e = self.e
         assert e is not None
         if self.down:
@@ -240,7 +240,7 @@ class World(RuleBasedStateMachine):
             return None
         for b in e.buffer:
             if b.seq >= seq:
-                same = b.seq == seq and b.ts == self.seq.last_ts
+                same = b.seq == seq and b.ts == ts
                 self.log.append(f"  Confirm({seq}) -> {same}")
                 return same
         self.log.append(f"  Confirm({seq}) -> False (empty)")

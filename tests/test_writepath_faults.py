@@ -625,3 +625,68 @@ def test_a_dropped_message_leaves_one_marker_at_its_place_in_the_queue() -> None
         items.append(shard.queue.get_nowait())
     assert items[:2] == [msg, msg] and items[2:] == [_Dropped("pod-a")]
     assert pool.stats().dropped_messages == 2
+
+
+# ---------------------------------------------------------------- joining and rejoining, then idle
+# (found by tests/test_engine_model.py's RejoinEngineMachine; here the subscriber's notices are
+# given in the order it can give them, and no live message ever reveals the loss)
+
+
+def test_a_batch_published_after_the_bootstrap_but_before_the_subscription_took_effect_is_indexed(
+    rigs: list[Rig],
+) -> None:
+    """The subscriber's handshake is done and the bootstrap replay has answered (seqs 0..2), but
+    the publisher has not taken the subscription yet (its side of the connection lags): seqs 3..5
+    are lost at the PUB, and the engine then stays idle.  The subscriber cannot see when the
+    subscription takes effect; the pool must look at the engine's buffer again."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    for p in range(3):
+        e.publish(store(e, p))
+    rig.pool.bootstrap(rig.source(e), e.pod, 0)
+    assert rig.pool.flush(10) and rig.state(e).last_seq == 2
+    for p in range(3, 6):
+        e.publish(store(e, p))  # lost: not subscribed yet
+    assert wait_for(lambda: rig.pool.flush(10) and rig.view(e) == e.view()), "seqs 3..5 never reached the index"
+    assert rig.state(e).complete and rig.state(e).last_seq == 5
+
+
+def test_a_restarted_engine_serving_after_the_reconnect_check_is_indexed(rigs: list[Rig]) -> None:
+    """The engine restarts; the reconnect check finds the new process (seq 0 buffered) and rebuilds;
+    its seq 1 is published before its publisher has taken the new subscription, and it stays idle."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10) and rig.state(e).complete
+    rig.pool.disconnected(e.pod, 0)
+    e.restart()
+    e.publish(store(e, 1))
+    rig.pool.reconnected(e.pod, 0, rig.source(e))
+    assert rig.pool.flush(10) and rig.view(e) == e.view()
+    e.publish(store(e, 2))  # lost: the subscription has not rejoined yet
+    assert wait_for(lambda: rig.pool.flush(10) and rig.view(e) == e.view()), "seq 1 never reached the index"
+    assert rig.state(e).complete and rig.state(e).last_seq == 1
+
+
+def test_a_message_continuing_our_seq_after_a_disconnect_does_not_stand_for_the_reconnect_check(
+    rigs: list[Rig],
+) -> None:
+    """The connection drops; the old connection's last message (our next seq) reaches the pool
+    after the disconnect notice; the engine restarts and its first batch is lost while the
+    subscription rejoins; it stays idle.  The reconnect must still find the new process: the
+    old process's blocks may not stay in the index."""
+    e = ModelEngine("pod-a", "m", 0, PATHS)
+    rig = Rig(e)
+    rigs.append(rig)
+    rig.deliver(e, e.publish(store(e, 0)))
+    assert rig.pool.flush(10)
+    old = e.publish(store(e, 1))
+    rig.pool.disconnected(e.pod, 0)
+    rig.deliver(e, old)
+    e.restart()
+    e.publish(store(e, 2))  # lost: the subscription has not rejoined yet
+    rig.pool.reconnected(e.pod, 0, rig.source(e))
+    assert rig.pool.flush(10)
+    assert rig.view(e) == e.view() and rig.state(e).complete and rig.pool.stats().restarts == 1

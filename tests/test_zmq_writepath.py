@@ -504,7 +504,8 @@ def test_subscriber_started_late_rebuilds_from_replay(make_rig: Callable[..., Ri
     rig.sync(e)
     s = rig.pool.stats()
     assert s.messages == 0
-    assert s.replay_requests == 1 and s.replayed_batches == published
+    # the bootstrap, plus the looks at the buffer until a live message (none comes): nothing new
+    assert 1 <= s.replay_requests <= 1 + rig.pool.rejoin_checks and s.replayed_batches == published
     rig.check(e)
 
 
