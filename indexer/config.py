@@ -152,6 +152,11 @@ class KVEventsConfig(_Base, frozen=True):
     often in a row, and at most how far apart (seconds, from 0.05 s doubling),
     a replay that failed without applying anything is asked again (see
     :class:`kvevents.pool.EventPool`).
+    rejoin_checks: after a subscription (re)joins, how many more times
+    (0.2 s apart, doubling) the engine's replay buffer is asked until the
+    engine's first live message (a batch published between the handshake
+    and the publisher taking the subscription is lost live; see
+    :class:`kvevents.pool.EventPool`).
     connect_timeout: seconds :meth:`indexer.Indexer.start` waits for every
     engine subscription to be up (connect mode; 0: do not wait).  The
     bootstrap replay is asked once a subscription is up, so a ``flush()``
@@ -168,6 +173,7 @@ class KVEventsConfig(_Base, frozen=True):
     replay_timeout: float = 2.0
     replay_retries: int = 10
     replay_retry_max_delay: float = 5.0
+    rejoin_checks: int = 6
     connect_timeout: float = 5.0
 
     def __post_init__(self) -> None:
@@ -182,6 +188,8 @@ class KVEventsConfig(_Base, frozen=True):
             raise ValueError(f"replay_retries must be >= 0, got {self.replay_retries}")
         if not 0.05 <= self.replay_retry_max_delay < 3600:
             raise ValueError(f"replay_retry_max_delay must be in [0.05, 3600) seconds, got {self.replay_retry_max_delay}")
+        if self.rejoin_checks < 0:
+            raise ValueError(f"rejoin_checks must be >= 0, got {self.rejoin_checks}")
         if not 0 <= self.connect_timeout < 3600:
             raise ValueError(f"connect_timeout must be in [0, 3600) seconds, got {self.connect_timeout}")
         pods = [e.pod for e in self.engines]

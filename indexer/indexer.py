@@ -132,6 +132,7 @@ class Indexer:
         self.pool = EventPool(
             self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout,
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
+            rejoin_checks=ev.rejoin_checks,
         )
         self.subscriber = Subscriber(
             self.pool,
