@@ -296,6 +296,21 @@ def parse_engine_arg(text: str) -> EngineSpec:
     )
 
 
+async def relay_stream(up: aiohttp.ClientResponse, resp: web.StreamResponse) -> bool:
+    """Copy an engine's streamed answer to the client as it arrives (``resp`` already prepared).
+
+    Returns False when the client went away: the caller then leaves the upstream
+    response's context, which closes it, and the engine aborts the request.
+    """
+    try:
+        async for chunk in up.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+    except ConnectionResetError:
+        return False
+    return True
+
+
 def engine_session(timeout: aiohttp.ClientTimeout, keepalive: float = ENGINE_KEEPALIVE, **kwargs: Any) -> aiohttp.ClientSession:
     """An HTTP client session for talking to vLLM engines (``kwargs`` go to :class:`aiohttp.ClientSession`).
 
@@ -847,13 +862,7 @@ class Router:
                     return web.Response(status=up.status, body=body, headers=out_headers)
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 await resp.prepare(request)
-                try:
-                    async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                except ConnectionResetError:
-                    # The client went away; closing the upstream response
-                    # (leaving this block) makes the engine abort the request.
+                if not await relay_stream(up, resp):
                     log.debug("router: client of decision %s disconnected", decision.id)
                 return resp
         except (aiohttp.ClientError, TimeoutError) as e:

@@ -67,7 +67,7 @@ from prometheus_client import Counter
 from connector.params import RejectCounter, params_from_json_body
 from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
-from examples.router.app import HOP_BY_HOP, Router, RouterConfig
+from examples.router.app import HOP_BY_HOP, Router, RouterConfig, relay_stream
 from indexer import Indexer
 from scorer.prefix import reads_prefix_cache
 
@@ -401,12 +401,7 @@ class PDRouter(Router):
                     self.m_pd_errors.labels("decode").inc()
                 resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "text/event-stream"), **self._pd_headers(turn)})
                 await resp.prepare(request)
-                try:
-                    async for chunk in up.content.iter_any():
-                        await resp.write(chunk)
-                    await resp.write_eof()
-                except ConnectionResetError:
-                    # the client went away; leaving this block closes the upstream answer (D aborts)
+                if not await relay_stream(up, resp):
                     log.debug("P/D router: client of turn %s disconnected", turn.id)
                 return resp
         except (aiohttp.ClientError, TimeoutError) as e:
