@@ -377,15 +377,28 @@ class PDPlanner:
             cache_salt=cache_salt or None,
         )
 
-    def fallback(self, plan: TurnPlan, cause: str) -> TurnPlan:
-        """The same turn without remote params, after a failed pull (counted by ``cause``).
+    def fallback(self, plan: TurnPlan, cause: str, *, decode_only: bool = False) -> TurnPlan:
+        """The same turn without remote params, after a failed P leg (counted by ``cause``).
 
         E.g. P answered HTTP 500 because D's entry expired on D's clock
         (NixlConnector's default ``kv_load_failure_policy`` "fail"), or D was
-        unreachable.  The retained entry is already spent.
+        unreachable: P recomputes.  ``decode_only``: P itself did not answer,
+        so the plan's D serves the turn alone (no P leg, as :meth:`decode_only`).
+        The retained entry is already spent.
         """
         with self._lock:
             self._fallbacks[cause] += 1
+        if decode_only:
+            return msgspec.structs.replace(
+                plan,
+                prefill_pod="",
+                action=DECODE_ONLY,
+                prefill_params={},
+                local_tokens=0,
+                pulled_tokens=0,
+                fallback=cause,
+                reasons=[*plan.reasons, f"fallback to {DECODE_ONLY}: {cause}"],
+            )
         return msgspec.structs.replace(
             plan,
             action=RECOMPUTE,

@@ -236,6 +236,21 @@ def test_decode_only_keeps_the_retained_entry_and_prefers_its_holder():
         planner.decode_only("c", prompt, [], reason="x")
 
 
+def test_a_prefill_pod_that_does_not_answer_leaves_the_same_turn_to_its_decode_pod():
+    planner, _ = make()
+    prompt, output = list(range(1, 200)), list(range(500, 540))
+    turn(planner, "c", prompt, output)
+    plan = planner.plan("c", prompt + output + [9] * 40, ["p0"], ["d0", "d1"])
+    assert plan.action == "pull"
+    turns = planner.stats().turns
+    fb = planner.fallback(plan, "prefill_unreachable", decode_only=True)
+    assert fb.action == "decode_only" and fb.prefill_pod == "" and fb.prefill_params == {}
+    assert fb.decode_pod == plan.decode_pod and fb.pulled_tokens == 0 and fb.local_tokens == 0
+    assert fb.fallback == "prefill_unreachable" and "prefill_unreachable" in fb.reasons[-1]
+    s = planner.stats()
+    assert s.turns == turns and s.fallbacks == {"prefill_unreachable": 1}
+
+
 def test_cache_salt_scopes_local_hits_and_the_retained_entry():
     """The engines salt their block hashes with a request's cache_salt: P's salted blocks count as
     local hits only for a request with that salt, and a conversation's retained tokens match only

@@ -288,10 +288,7 @@ class PDRouter(Router):
             turn.prefill_ms = (time.perf_counter() - t0) * 1000.0
             turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
             self.m_pd_fallbacks.labels("prefill_unreachable").inc()
-            turn.plan = self.planner.decode_only(
-                cid, tokens, self._role_candidates(self.config.decode), self.indexer.loads(),
-                reason=f"prefill pod {plan.prefill_pod} unreachable", cache_salt=salt,
-            )
+            turn.plan = self.planner.fallback(plan, "prefill_unreachable", decode_only=True)
             return self._done(turn, started, await self._decode_alone(request, turn, body, headers))
         turn.prefill_status = p_status
         turn.prefill_ms = turn.ttft_ms = (time.perf_counter() - t0) * 1000.0
