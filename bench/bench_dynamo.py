@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
-from indexer import Config, Indexer  # noqa: E402
+from kvindex.facade import Config, Indexer  # noqa: E402
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
 from kvevents.wire import decode_vllm_batch  # noqa: E402
@@ -272,7 +272,7 @@ if kind == "dynamo":
     tree = RadixTree()
     tree.find_matches([1])
 else:
-    from indexer import Config, Indexer
+    from kvindex.facade import Config, Indexer
     ix = Indexer(Config.from_dict({{"model_name": "m", "token_processor_config": {{"block_size": 16}},
         "kv_block_index_config": {{"backend": kind, "in_memory_config": {{"size": entries + 10}}}}}})).index
 toks = np.random.default_rng(1).integers(1, 50000, size=seq * 16).tolist()

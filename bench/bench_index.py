@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 
-from indexer import Config, Indexer  # noqa: E402
+from kvindex.facade import Config, Indexer  # noqa: E402
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
-from kvindex.index import KVBlockIndex  # noqa: E402
+from kvindex.reference import KVBlockIndex  # noqa: E402
 from kvindex.keys import TokenProcessor  # noqa: E402
 
 BS = 16

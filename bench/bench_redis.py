@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
-from indexer import Config, Indexer  # noqa: E402
+from kvindex.facade import Config, Indexer  # noqa: E402
 from kvindex.keys import TokenProcessor  # noqa: E402
 from kvindex.native import NativeKVBlockIndex  # noqa: E402
 from kvindex.redis_index import RedisKVBlockIndex  # noqa: E402

@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from bench.sim.engine import SimRequest  # noqa: E402
 from bench.sim.schedulers import View, make_scheduler  # noqa: E402
 from examples.vllm_fleet.fleet import VllmFleet, ensure_env  # noqa: E402
-from indexer import Config, Indexer  # noqa: E402
+from kvindex.facade import Config, Indexer  # noqa: E402
 from scorer.load import parse_vllm_metrics  # noqa: E402
 
 BLOCK = 32

@@ -227,7 +227,7 @@ def main() -> None:
     from kvevents.pool import EventPool
     from kvevents.subscriber import Subscriber
     from kvindex.keys import TokenProcessor
-    from kvindex.protocol import make_index
+    from kvindex.factory import make_index
 
     tp = TokenProcessor(block_size=BS, hash_seed=args.seed)
     index = make_index(args.backend, tp, capacity=args.capacity, max_orphan_blocks=args.max_orphans)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from kvindex.index import KVBlockIndex  # noqa: E402
+from kvindex.reference import KVBlockIndex  # noqa: E402
 from kvindex.native import NativeKVBlockIndex  # noqa: E402
 from tests import test_engine_model as tem  # noqa: E402
 

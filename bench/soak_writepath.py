@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
-from kvindex.index import KVBlockIndex  # noqa: E402
+from kvindex.reference import KVBlockIndex  # noqa: E402
 from kvindex.keys import TokenProcessor  # noqa: E402
 from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer, index_view  # noqa: E402
 from tests.oracle import batch_payload, seq_frame, stored_event  # noqa: E402

@@ -135,7 +135,7 @@ class PDPlanner:
     """Plans P/D turns over an index, a retained store and pickers.
 
     Args:
-        index: the shared index (``kvindex.index.KVBlockIndex``).
+        index: the shared index (``kvindex.reference.KVBlockIndex``).
         token_processor: turns tokens into request keys (the index's).
         store: the decode-retained store (mirrored into ``index``).
         recompute_threshold: the engines' ``kv_recompute_threshold`` (tokens,

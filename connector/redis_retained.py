@@ -36,7 +36,7 @@ returns the entry without storing it, :meth:`discard` False, :meth:`expire`
 0; each such call counts ``redis_errors`` in :meth:`stats`, and for
 ``retry_interval`` seconds after an error calls fail fast without asking the
 server.  The index mirror follows the same rule (its
-:class:`kvindex.protocol.IndexUnavailable` is counted, not raised).
+:class:`kvindex.contract.IndexUnavailable` is counted, not raised).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import numpy as np
 
 from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats, checked_retained
 from connector.params import RemoteKVParams
-from kvindex.protocol import IndexUnavailable
+from kvindex.contract import IndexUnavailable
 from kvindex.tiers import DECODE_RETAINED
 
 __all__ = ["RedisRetainedStore", "DEFAULT_RETAINED_PREFIX"]

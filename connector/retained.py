@@ -19,7 +19,7 @@ the tokens whose KV D holds, until:
 
 Each live entry is mirrored in the index: the request keys of D's whole
 blocks are held by D's pod under tier ``decode_retained``
-(:meth:`kvindex.index.KVBlockIndex.add_held`), so the prefix scorer and picker
+(:meth:`kvindex.reference.KVBlockIndex.add_held`), so the prefix scorer and picker
 see pullable KV beside local KV; they are removed with the entry.
 
 Thread-safe (one lock).
@@ -47,7 +47,7 @@ DEFAULT_TTL = 450.0
 
 
 class HeldIndex(Protocol):
-    """What the store needs from an index (``kvindex.index.KVBlockIndex``)."""
+    """What the store needs from an index (``kvindex.reference.KVBlockIndex``)."""
 
     def add_held(self, pod: str, request_keys: Sequence[int], tier: str) -> None: ...
 

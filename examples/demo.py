@@ -21,9 +21,9 @@ import time
 import numpy as np
 
 from examples.simfleet.fleet import EngineConfig, SimFleet
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.pool import RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from scorer.load import LoadSnapshot
 
 BLOCK = 16

@@ -60,8 +60,9 @@ from kvevents.replay import ReplayClient, ReplayCut
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch, parse_topic
-from kvindex.index import ApplyResult, apply_each
-from kvindex.protocol import IndexUnavailable, KVIndex
+from kvindex.contract import ApplyResult
+from kvindex.side_tables import apply_each
+from kvindex.contract import IndexUnavailable, KVIndex
 
 __all__ = [
     "Source", "RawMessage", "PoolStats", "StreamState", "StreamCounters", "EventPool", "RateLimitedLog", "StoreObserver",
@@ -865,7 +866,7 @@ def _as_batch(seq: int, batch: EventBatch) -> Batch:
 
 
 class EventPool:
-    """N shard workers applying KV-event messages to a :class:`~kvindex.protocol.KVIndex`.
+    """N shard workers applying KV-event messages to a :class:`~kvindex.contract.KVIndex`.
 
     Args:
         index: the index to write.

@@ -1,9 +1,9 @@
 """The compiled KV block index: :class:`NativeKVBlockIndex`.
 
 Same public API and event semantics as the pure-Python reference
-:class:`kvindex.index.KVBlockIndex` (see that module for the semantics, which
+:class:`kvindex.reference.KVBlockIndex` (see that module for the semantics, which
 mirror vllm/distributed/kv_events.py, vLLM 0.32); both satisfy
-:class:`kvindex.protocol.KVIndex`, and the stateful tests drive both with the
+:class:`kvindex.contract.KVIndex`, and the stateful tests drive both with the
 same steps and compare every read.
 
 Where the work happens:
@@ -58,7 +58,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 import numpy as np
 
 from kvindex import _native
-from kvindex.index import ALL_MODELS, ApplyResult, IndexStats, PodEntry, SideTables, _Orphan, apply_each
+from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
+from kvindex.side_tables import SideTables, _Orphan, apply_each
 from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
 from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
 
@@ -86,12 +87,12 @@ def _rank(dp_rank: int) -> int:
 class NativeKVBlockIndex(SideTables):
     """The two-level KV block index with its data in compiled code.
 
-    Args and errors: as :class:`kvindex.index.KVBlockIndex` (token_processor,
+    Args and errors: as :class:`kvindex.reference.KVBlockIndex` (token_processor,
     capacity >= 1, max_orphan_blocks >= 0, clock).  Holds at most 16,381 pods
     with blocks at once and 2**27 - 2 request keys (capacity is capped there).
     """
 
-    match_tokens_dp_ranks = True  # match_tokens takes dp_ranks= (indexer.Indexer.score asks it)
+
 
     def __init__(
         self,
@@ -156,7 +157,7 @@ class NativeKVBlockIndex(SideTables):
         lora_name: str | None = None,
         model: str | None = None,
     ) -> int:
-        """Apply one BlockStored event (as :meth:`kvindex.index.KVBlockIndex.block_stored`)."""
+        """Apply one BlockStored event (as :meth:`kvindex.reference.KVBlockIndex.block_stored`)."""
         bit = tier_bit(tier)
         rank = _rank(dp_rank)
         with self._lock:
@@ -197,7 +198,7 @@ class NativeKVBlockIndex(SideTables):
     def apply_events(
         self, pod: str, dp_rank: int, events, *, model: str | None = None, kinds: tuple[type, type, type]
     ) -> ApplyResult:
-        """Apply one publisher's decoded batch (as :meth:`kvindex.index.KVBlockIndex.apply_events`).
+        """Apply one publisher's decoded batch (as :meth:`kvindex.reference.KVBlockIndex.apply_events`).
 
         Runs of plain events (stores with tokens and without extra keys or
         LoRA, removals, clears) go to the core in one call each, with no
@@ -283,7 +284,7 @@ class NativeKVBlockIndex(SideTables):
     def clear(self, pod: str, dp_rank: int | None = None, *, model=ALL_MODELS) -> int:
         """Forget what ``pod`` holds (rank ``dp_rank``, ``model`` only if given); O(the pod's keys).
 
-        As :meth:`kvindex.index.KVBlockIndex.clear`: drops the pod's orphans and,
+        As :meth:`kvindex.reference.KVBlockIndex.clear`: drops the pod's orphans and,
         without a rank or model, its speculative and held entries; returns the
         entries removed.
         """
@@ -341,7 +342,7 @@ class NativeKVBlockIndex(SideTables):
     ) -> dict[str, list[int]]:
         """Longest consecutive prefix each pod holds, as tier masks per block.
 
-        As :meth:`kvindex.index.KVBlockIndex.prefix_match` (speculative entries
+        As :meth:`kvindex.reference.KVBlockIndex.prefix_match` (speculative entries
         count as gpu; the longest match is refreshed for the LRU bound).
         """
         if len(request_keys) == 0:
@@ -461,7 +462,7 @@ class NativeKVBlockIndex(SideTables):
         return _u64(res[0]), res[1]
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]:
-        """Every holder of each key (as :meth:`kvindex.index.KVBlockIndex.lookup`)."""
+        """Every holder of each key (as :meth:`kvindex.reference.KVBlockIndex.lookup`)."""
         keys = [int(k) for k in request_keys]
         with self._lock:
             if self._spec_order:
@@ -522,7 +523,7 @@ class NativeKVBlockIndex(SideTables):
         return len(self._core)
 
     def stats(self) -> IndexStats:
-        """A snapshot of sizes and counters (see :class:`kvindex.index.IndexStats`)."""
+        """A snapshot of sizes and counters (see :class:`kvindex.contract.IndexStats`)."""
         with self._lock:
             s = self._core.stats()
             c = self._c
@@ -549,7 +550,7 @@ class NativeKVBlockIndex(SideTables):
     def tier_stats(self) -> dict[str, tuple[int, int]]:
         """tier -> (request keys held in that tier by any pod, (key, pod, DP rank) entries holding it).
 
-        As :meth:`kvindex.index.KVBlockIndex.tier_stats`: blocks events
+        As :meth:`kvindex.reference.KVBlockIndex.tier_stats`: blocks events
         stored, one walk of level 1 in the compiled core (O(keys)).
         """
         with self._lock:

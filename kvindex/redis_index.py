@@ -1,8 +1,8 @@
 """The shared KV block index in Redis: :class:`RedisKVBlockIndex`.
 
 Several router replicas (separate processes) keep one index in one Redis
-server.  Same interface (:class:`kvindex.protocol.KVIndex`) and event
-semantics as the pure-Python reference :class:`kvindex.index.KVBlockIndex`
+server.  Same interface (:class:`kvindex.contract.KVIndex`) and event
+semantics as the pure-Python reference :class:`kvindex.reference.KVBlockIndex`
 (which mirror vllm/distributed/kv_events.py, vLLM 0.32): two levels, tiers,
 DP ranks, models, orphans, an LRU capacity bound, speculative entries with a
 TTL, router-held entries.  Needs the ``redis`` package (``kvindex[redis]``);
@@ -77,7 +77,7 @@ Outage: reads (prefix_match, lookup, best_dp_rank, pods, ...) that cannot
 reach Redis, or that it answers with an error (BUSY, OOM, READONLY, a failed
 script), answer as an empty index (no prefix information: the picker
 chooses by load alone) and count ``redis_errors``; they never raise.  Writes
-raise :class:`kvindex.protocol.IndexUnavailable` (counted in
+raise :class:`kvindex.contract.IndexUnavailable` (counted in
 ``redis_errors`` and ``dropped_writes``), which the write path turns into an
 incomplete stream that is rebuilt from the engine's replay buffer once
 :meth:`writable` answers True.  After an error, calls fail fast for
@@ -92,9 +92,10 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-from kvindex.index import ALL_MODELS, IndexStats, PodEntry, SideTables, _Orphan
+from kvindex.contract import ALL_MODELS, IndexStats, PodEntry
+from kvindex.side_tables import SideTables, _Orphan
 from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
-from kvindex.protocol import IndexUnavailable
+from kvindex.contract import IndexUnavailable
 from kvindex.redis_lua import SCRIPTS
 from kvindex.tiers import GPU, tier_bit, tier_names
 
@@ -132,7 +133,7 @@ class RedisKVBlockIndex(SideTables):
     """The two-level KV block index kept in Redis, shared by router replicas.
 
     Args:
-        token_processor: as :class:`kvindex.index.KVBlockIndex` (every replica
+        token_processor: as :class:`kvindex.reference.KVBlockIndex` (every replica
             sharing the index must use the same block size, seed and algorithm).
         capacity: bound on request keys in the shared index (LRU; >= 1).
         max_orphan_blocks: this process's bound on blocks waiting for an
@@ -374,7 +375,7 @@ class RedisKVBlockIndex(SideTables):
         lora_name: str | None = None,
         model: str | None = None,
     ) -> int:
-        """Apply one BlockStored event (as :meth:`kvindex.index.KVBlockIndex.block_stored`).
+        """Apply one BlockStored event (as :meth:`kvindex.reference.KVBlockIndex.block_stored`).
 
         Raises:
             ValueError: as the reference.
@@ -484,7 +485,7 @@ class RedisKVBlockIndex(SideTables):
     def clear(self, pod: str, dp_rank: int | None = None, *, model: Any = ALL_MODELS) -> int:
         """Forget what ``pod`` holds (rank ``dp_rank``, ``model`` only if given); O(the pod's keys).
 
-        As :meth:`kvindex.index.KVBlockIndex.clear`.  Raises IndexUnavailable
+        As :meth:`kvindex.reference.KVBlockIndex.clear`.  Raises IndexUnavailable
         when Redis cannot be reached (nothing applied).
         """
         every = model is ALL_MODELS
@@ -553,7 +554,7 @@ class RedisKVBlockIndex(SideTables):
     ) -> dict[str, list[int]]:
         """Longest consecutive prefix each pod holds, as tier masks per block (one script).
 
-        As :meth:`kvindex.index.KVBlockIndex.prefix_match`.  With Redis
+        As :meth:`kvindex.reference.KVBlockIndex.prefix_match`.  With Redis
         unreachable: ``{}`` (no prefix information), counted in ``redis_errors``.
         """
         if len(request_keys) == 0:
@@ -649,7 +650,7 @@ class RedisKVBlockIndex(SideTables):
         return 0 if n is None else int(n)
 
     def stats(self) -> IndexStats:
-        """Sizes of the shared index and this process's counters (see :class:`kvindex.index.IndexStats`)."""
+        """Sizes of the shared index and this process's counters (see :class:`kvindex.contract.IndexStats`)."""
         res = self._run("stats", write=False) or [0, 0, 0, 0, 0]
         keys, entries, engine_keys, pods, spec = (int(v) for v in res)
         with self._lock:

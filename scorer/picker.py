@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from kvindex import _native
+from kvindex.accel import native as _native
 from scorer.load import LoadSnapshot
 from scorer.prefix import PrefixScore
 
@@ -590,7 +590,11 @@ class TTFTPicker:
         kvp, stall, reserve = self.kv_pressure, self.kv_stall, self.decode_reserve
         # the compiled pass: the same rows and order for the common inputs (exact floats and ints
         # in range, dicts, str pod ids, no kv_stall); None sends anything else through the loop below
-        ranked = _native.ttft_rows(prefix, loads, pods, n_prompt, kvp, stall, reserve, self.tie_tokens, PodInputs)
+        if _native is not None:
+            ranked = _native.ttft_rows(
+                prefix, loads, pods, n_prompt, kvp, stall, reserve, self.tie_tokens, PodInputs)
+        else:
+            ranked = None
         if ranked is not None:
             win = ranked[0]
             return Choice(pod=win.pod, score=win.total, rows=ranked, picker=self.name, tie_tokens=self.tie_tokens)

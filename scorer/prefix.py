@@ -57,7 +57,7 @@ __all__ = [
 
 @runtime_checkable
 class PrefixIndex(Protocol):
-    """What the prefix scorer needs from an index (``kvindex.index.KVBlockIndex``).
+    """What the prefix scorer needs from an index (``kvindex.reference.KVBlockIndex``).
 
     ``prefix_match(request_keys, pods)`` returns, per pod with at least one
     matched block, the list of tier bit masks of its longest consecutive prefix
@@ -184,7 +184,7 @@ def score_prefix(
     """Score the candidate pods for one request against an index.
 
     Args:
-        index: a :class:`PrefixIndex` (``kvindex.index.KVBlockIndex``).
+        index: a :class:`PrefixIndex` (``kvindex.reference.KVBlockIndex``).
         request_keys: one request key per full block of the prompt (uint64
             ints or a 1-d numpy array); empty for a prompt shorter than one
             block.

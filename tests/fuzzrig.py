@@ -50,9 +50,10 @@ import zmq
 from kvevents.pool import EventPool, PoolStats
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvevents.wire import PayloadError, decode_seq, decode_vllm_batch
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
-from kvindex.protocol import KVIndex, make_index
+from kvindex.contract import KVIndex
+from kvindex.factory import make_index
 from tests.engine_model import ModelEngine, Paths, ReplayServer
 from tests.oracle import batch_payload, seq_frame, stored_event
 

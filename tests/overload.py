@@ -28,7 +28,8 @@ from kvevents.pool import EventPool, PoolStats
 from kvevents.sequencer import Sequencer
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.keys import TokenProcessor
-from kvindex.protocol import KVIndex, make_index
+from kvindex.contract import KVIndex
+from kvindex.factory import make_index
 from tests.engine_model import ModelEngine, Paths, ReplayServer, index_view
 
 

@@ -21,7 +21,7 @@ import time
 
 import msgspec
 
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 
 
 def main(argv: list[str]) -> int:

@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from examples.simfleet import SimEngine
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.pool import EventPool, RawMessage, Source
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from scorer.load import LoadSnapshot
 from tests.oracle import batch_payload, cleared_event, removed_event, seq_frame, stored_event

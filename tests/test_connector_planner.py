@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from connector.params import parse_params
 from connector.planner import PDPlanner, predicted_pull_tokens
 from connector.retained import RetainedStore
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import DECODE_RETAINED, GPU
 from scorer.load import LoadSnapshot

@@ -23,7 +23,7 @@ import pytest
 
 from connector.redis_retained import RedisRetainedStore
 from connector.retained import RetainedStore
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.redis_index import RedisKVBlockIndex
 from kvindex.tiers import DECODE_RETAINED, tier_bit

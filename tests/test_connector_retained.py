@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from connector.params import parse_params
 from connector.retained import RetainedStore
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import DECODE_RETAINED, GPU, TierWeights, tier_bit
 from scorer.prefix import score_prefix

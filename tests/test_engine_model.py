@@ -60,7 +60,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 
 from kvevents.pool import EventPool, RawMessage, Source
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.native import NativeKVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer

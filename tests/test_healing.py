@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from indexer.healing import FULL_REPORT_XARGS, HealingPolicy, with_full_report
+from kvindex.facade.healing import FULL_REPORT_XARGS, HealingPolicy, with_full_report
 from tests.test_zmq_writepath import BS, MODEL, MODES, Prompts, Rig, make_rig, wait_until  # noqa: F401 (fixture)
 
 POD = "pod-a"
@@ -232,7 +232,8 @@ def test_router_adds_the_full_report_while_healing(make_rig: Callable[..., Rig],
     import aiohttp
     from aiohttp import web
 
-    from examples.router.app import EngineSpec, RouterConfig, RunningRouter
+    from examples.router.app import EngineSpec, RouterConfig
+    from examples.router.serve import RunningRouter
 
     rig = make_rig("compat")
     e = rig.engine(POD, capacity=1000, buffer_steps=3)

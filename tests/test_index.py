@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.index import KVBlockIndex, PodEntry
+from kvindex.contract import PodEntry
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import CPU, GPU, STORAGE, tier_bit
 

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from indexer import Config, Indexer, load_config
+from kvindex.facade import Config, Indexer, load_config
 from kvindex.tiers import CPU, GPU
 from scorer.load import LoadSnapshot
 

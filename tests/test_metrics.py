@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from examples.simfleet import SimEngine
-from indexer import Config, Indexer
-from indexer.metrics import METRICS, KVIndexMetrics
+from kvindex.facade import Config, Indexer
+from kvindex.facade.metrics import METRICS, KVIndexMetrics
 
 BS = 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def test_router_registry_serves_the_library_metrics_and_engine_reported_hits() -
 def test_score_observations_are_queued_bounded_and_all_counted():
     """Scores queue their two values; a scrape folds them all; without scrapes the queue stays
     near PENDING_MAX (each score past it folds a few) and nothing is lost."""
-    from indexer.metrics import PENDING_MAX
+    from kvindex.facade.metrics import PENDING_MAX
 
     ix = Indexer(Config())
     m = ix.metrics

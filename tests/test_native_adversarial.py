@@ -1,7 +1,7 @@
 """Adversarial checks of the compiled read path against its references.
 
 1. The compiled walk's runs of blocks with the same holders (``prefix_summary`` /
-   ``match_tokens``) against the pure-Python index (kvindex.index), driven by a
+   ``match_tokens``) against the pure-Python index (kvindex.reference), driven by a
    state machine that builds long runs of identical holder sets over many pods
    (more than 64, with slots given back and reused by new pods) and breaks them
    with removals, clears, LRU evictions, other tiers, DP ranks and models.  Every
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvindex import _native
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.native import NativeKVBlockIndex, _summarise
 from scorer.load import LoadSnapshot

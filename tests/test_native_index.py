@@ -1,4 +1,4 @@
-"""The compiled index (kvindex.native) against the pure-Python reference (kvindex.index).
+"""The compiled index (kvindex.native) against the pure-Python reference (kvindex.reference).
 
 1. Every case of tests/test_index.py, and the pool's oracle state machines of
    tests/test_pool_stateful.py, run again with the compiled index.
@@ -24,13 +24,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import tests.test_index as reference_cases
 import tests.test_pool_stateful as pool_stateful
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex import _native, make_index
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.native import NativeKVBlockIndex, _summarise
-from kvindex.protocol import KVIndex
+from kvindex.contract import KVIndex
 from kvindex.tiers import tier_bit
 from tests.oracle import Universe, same_on_both
 

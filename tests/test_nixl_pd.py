@@ -15,7 +15,7 @@ from connector.params import parse_params
 from connector.planner import PDPlanner
 from connector.retained import RetainedStore
 from examples.nixl_kv import DecodeProcess, PrefillAgent, nixl_available
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 
 pytestmark = pytest.mark.vllm

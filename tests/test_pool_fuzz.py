@@ -33,7 +33,7 @@ from kvevents.pool import EventPool, RawMessage, Source
 from kvevents.sglang import decode_sglang_batch
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvevents.wire import PayloadError, decode_vllm_batch, parse_topic
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.oracle import batch_payload, engine_hash, removed_event, seq_frame, stored_event
 

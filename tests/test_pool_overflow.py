@@ -10,7 +10,7 @@ import zmq
 
 from examples.simfleet import SimEngine
 from kvevents.pool import EventPool, RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 
 BS = 16

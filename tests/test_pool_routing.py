@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 from kvevents.pool import _TOPIC_CACHE, EventPool, RawMessage, Source
 from kvevents.wire import parse_topic
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.oracle import batch_payload, seq_frame, stored_event
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvevents.pool import EventPool, RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import mask_of
 from tests.oracle import (

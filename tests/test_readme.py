@@ -23,7 +23,7 @@ def test_readme_example_runs():
 
 
 def test_readme_config_block_is_a_valid_config():
-    from indexer import Config
+    from kvindex.facade import Config
 
     text = (ROOT / "README.md").read_text()
     yaml_block = re.findall(r"```yaml\n(.*?)```", text, re.S)[0]

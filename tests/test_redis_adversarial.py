@@ -35,9 +35,9 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 
-from indexer import Config, Indexer
-from kvindex.index import KVBlockIndex
-from kvindex.protocol import IndexUnavailable
+from kvindex.facade import Config, Indexer
+from kvindex.reference import KVBlockIndex
+from kvindex.contract import IndexUnavailable
 from kvindex.redis_index import RedisKVBlockIndex
 from kvindex.tiers import DECODE_RETAINED, tier_bit
 from scorer.load import LoadSnapshot

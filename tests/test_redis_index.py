@@ -27,10 +27,10 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 
 import tests.test_index as reference_cases
 import tests.test_native_index as native_cases
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvindex import make_index
-from kvindex.index import KVBlockIndex
-from kvindex.protocol import KVIndex
+from kvindex.reference import KVBlockIndex
+from kvindex.contract import KVIndex
 from kvindex.redis_index import RedisKVBlockIndex
 from tests.test_native_index import BS, PODS, RANKS, TIERS, U
 

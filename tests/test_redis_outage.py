@@ -13,8 +13,8 @@ import time
 import pytest
 
 from examples.simfleet.engine import SimEngine
-from indexer import Config, Indexer
-from kvindex.protocol import IndexUnavailable
+from kvindex.facade import Config, Indexer
+from kvindex.contract import IndexUnavailable
 from kvindex.redis_index import RedisKVBlockIndex
 from scorer.load import LoadSnapshot
 from tests.redis_server import RedisServer

@@ -69,7 +69,7 @@ def test_replicas_on_one_redis_share_the_retained_entries(redis_url):
     from connector.redis_retained import RedisRetainedStore
     from connector.retained import RetainedStore
     from examples.router.pd import make_retained_store
-    from indexer import Config, Indexer
+    from kvindex.facade import Config, Indexer
     from tests.test_connector_retained import d_params
 
     def replica(backend: str) -> Indexer:

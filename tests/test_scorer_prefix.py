@@ -239,7 +239,7 @@ def test_score_prefix_custom_weights():
 
 
 def _real_index(block_size: int):
-    from kvindex.index import KVBlockIndex
+    from kvindex.reference import KVBlockIndex
     from kvindex.keys import TokenProcessor
 
     return KVBlockIndex(TokenProcessor(algorithm="vllm_sha256_cbor", block_size=block_size))

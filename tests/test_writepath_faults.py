@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from indexer import Indexer
+from kvindex.facade import Indexer
 from kvevents.pool import EventPool, RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from tests.engine_model import MALFORMED_EVENT, ModelEngine, Paths, ReplayServer
 from tests.oracle import batch_payload, removed_event, seq_frame, stored_event

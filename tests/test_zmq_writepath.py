@@ -29,7 +29,7 @@ import pytest
 from examples.simfleet import SimEngine, block_digests, digest_to_uint64
 from kvevents.pool import EventPool, PoolStats, RawMessage, Source
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import tier_bit
 from tests.oracle import batch_payload, seq_frame, stored_event

@@ -24,9 +24,9 @@ from bench.sim.engine import CostModel, SimPod, SimRequest
 from bench.sim.schedulers import Scheduler, View, make_scheduler
 from bench.sim.wire import encode_batch, topic
 from bench.sim.workload import Workload, build_requests
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.pool import RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 from scorer.load import LoadSnapshot
 

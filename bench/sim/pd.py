@@ -1,7 +1,7 @@
 """Seed 000: TTFT of growing agentic conversations on prefill (P) and decode (D) pods.
 
 Each turn is decided by the connector's real code: :class:`connector.planner.PDPlanner`
-over a real :class:`kvindex.index.KVBlockIndex` chooses P and D and pull or
+over a real :class:`kvindex.reference.KVBlockIndex` chooses P and D and pull or
 recompute (the engines' ``kv_recompute_threshold`` rule, the prompt guard, the
 decode-retained store fed by D's simulated answers); P and D publish vLLM
 KV-event batches (:mod:`bench.sim.wire`) that go through the library's decoder
@@ -68,9 +68,9 @@ from connector.advisor import ModelKV, TransferCost, advise
 from connector.params import RemoteKVParams
 from connector.planner import PDPlanner
 from connector.retained import RetainedStore
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.pool import RawMessage, Source
-from kvindex.index import KVBlockIndex
+from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
 
 __all__ = [

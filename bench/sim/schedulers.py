@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from bench.sim.engine import SimRequest, chain_hashes
 from bench.sim.workload import ApproxConfig
-from indexer import Indexer
+from kvindex.facade import Indexer
 from scorer.load import LoadSnapshot
 from scorer.picker import RandomPicker
 from scorer.prefix import score_prefix

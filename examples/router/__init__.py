@@ -12,10 +12,10 @@ from examples.router.app import (
     EngineSpec,
     Router,
     RouterConfig,
-    RunningRouter,
     load_router_config,
     parse_engine_arg,
 )
+from examples.router.serve import RunningRouter, make_router
 
 __all__ = [
     "Decision",
@@ -24,5 +24,6 @@ __all__ = [
     "RouterConfig",
     "RunningRouter",
     "load_router_config",
+    "make_router",
     "parse_engine_arg",
 ]

@@ -36,7 +36,8 @@ import sys
 import msgspec
 from aiohttp import web
 
-from examples.router.app import Router, RouterConfig, load_router_config, parse_engine_arg
+from examples.router.app import RouterConfig, load_router_config, parse_engine_arg
+from examples.router.serve import make_router
 
 
 def build_config(argv: list[str] | None = None) -> RouterConfig:
@@ -129,12 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = build_config(argv)
     try:
-        if config.prefill or config.decode:
-            from examples.router.pd import PDRouter
-
-            router: Router = PDRouter(config)
-        else:
-            router = Router(config)
+        router = make_router(config)
     except (RuntimeError, ValueError) as e:
         print(f"python -m examples.router: error: {e}", file=sys.stderr)
         return 2

@@ -75,8 +75,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
 
-from indexer import Config, Indexer
-from indexer.healing import HealingPolicy, with_full_report
+from kvindex.facade import Config, Indexer
+from kvindex.facade.healing import HealingPolicy, with_full_report
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import fetch_load
 from scorer.prefix import predicted_cached_tokens, reads_prefix_cache
@@ -86,7 +86,6 @@ __all__ = [
     "EngineSpec",
     "Router",
     "RouterConfig",
-    "RunningRouter",
     "load_router_config",
     "parse_engine_arg",
 ]
@@ -415,7 +414,7 @@ class Router:
     """The proxy: engines, embedded :class:`indexer.Indexer`, metrics and decision log.
 
     Use :meth:`app` to get the aiohttp application (its start-up and clean-up
-    hooks call :meth:`start` and :meth:`close`), or :class:`RunningRouter` to
+    hooks call :meth:`start` and :meth:`close`), or :class:`examples.router.serve.RunningRouter` to
     serve it in-process. Attributes of interest once started: ``indexer``,
     ``model``, ``registry`` (the router's own Prometheus registry) and
     ``decisions`` (a bounded deque of :class:`Decision`).
@@ -902,36 +901,3 @@ class Router:
             return web.Response(status=400, text="limit must be an integer")
         items = list(self.decisions)[-max(0, limit) :] if limit > 0 else []
         return web.Response(body=msgspec.json.encode(items), content_type="application/json")
-
-
-class RunningRouter:
-    """Serve a :class:`Router` (a :class:`examples.router.pd.PDRouter` when the
-    config names prefill and decode pods) in the current event loop (tests, demos).
-
-    ``async with RunningRouter(config) as rr: rr.url`` -> ``http://host:port``;
-    port 0 in the config picks a free port.
-    """
-
-    def __init__(self, config: RouterConfig) -> None:
-        if config.prefill or config.decode:
-            from examples.router.pd import PDRouter  # P/D mode
-
-            self.router: Router = PDRouter(config)
-        else:
-            self.router = Router(config)
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def __aenter__(self) -> RunningRouter:
-        self._runner = web.AppRunner(self.router.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.router.config.host, self.router.config.port)
-        await site.start()
-        host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None

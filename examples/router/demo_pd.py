@@ -26,7 +26,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.router.app import EngineSpec, RouterConfig, RunningRouter, engine_session
+from examples.router.app import EngineSpec, RouterConfig, engine_session
+from examples.router.serve import RunningRouter
 from examples.vllm_fleet.fleet import Engine, VllmFleet
 
 __all__ = ["pd_router_config", "source_counters", "Turn", "run_turn", "main"]

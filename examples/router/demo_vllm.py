@@ -40,7 +40,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from examples.router.app import EngineSpec, Router, RouterConfig, RunningRouter, engine_session
+from examples.router.app import EngineSpec, Router, RouterConfig, engine_session
+from examples.router.serve import RunningRouter
 from examples.vllm_fleet.fleet import Engine, VllmFleet, ensure_env
 from scorer.load import LoadSnapshot, fetch_load
 

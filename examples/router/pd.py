@@ -68,7 +68,7 @@ from connector.params import RejectCounter, params_from_json_body
 from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
 from examples.router.app import HOP_BY_HOP, Router, RouterConfig, relay_stream
-from indexer import Indexer
+from kvindex.facade import Indexer
 from scorer.prefix import reads_prefix_cache
 
 if TYPE_CHECKING:

@@ -40,7 +40,8 @@ import aiohttp
 import msgspec
 import pytest
 
-from examples.router.app import RunningRouter, engine_session
+from examples.router.app import engine_session
+from examples.router.serve import RunningRouter
 from examples.router.demo_vllm import reset_caches, router_config
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
 from scorer.load import fetch_load

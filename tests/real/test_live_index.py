@@ -43,11 +43,11 @@ import pytest
 import zmq
 
 from examples.vllm_fleet.fleet import Engine, VllmFleet
-from indexer import Config, Indexer
+from kvindex.facade import Config, Indexer
 from kvevents.events import BlockStored, Event
 from kvevents.pool import PoolStats
 from kvevents.wire import decode_vllm_batch
-from kvindex.index import PodEntry
+from kvindex.contract import PodEntry
 from kvindex.keys import TokenProcessor
 from scorer.prefix import predicted_cached_tokens
 from tests.real.prompts import ROUTER_VOCAB, text_prompt, token_prompt

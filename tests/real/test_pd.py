@@ -36,7 +36,8 @@ import msgspec
 import pytest
 
 from connector.guard import common_prefix_len
-from examples.router.app import RunningRouter, engine_session
+from examples.router.app import engine_session
+from examples.router.serve import RunningRouter
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, free_port
 from examples.vllm_fleet.pd import PDFleet

@@ -40,7 +40,8 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.router.app import Router, RunningRouter, engine_session, parse_engine_arg
+from examples.router.app import Router, engine_session, parse_engine_arg
+from examples.router.serve import RunningRouter
 from examples.router.demo_vllm import (
     Record,
     engine_counters,

@@ -7,7 +7,7 @@ prefix scores -> picker with load -> :class:`Score` (chosen pod + explanation).
 
 Example::
 
-    from indexer import Indexer, Config
+    from kvindex.facade import Indexer, Config
     cfg = Config.from_dict({"model_name": "m", "kv_events_config": {"engines": [
         {"pod": "a", "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558"}]}})
     with Indexer(cfg) as ix:
@@ -27,12 +27,12 @@ import msgspec
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from indexer.config import Config
-from indexer.metrics import KVIndexMetrics
+from kvindex.facade.config import Config
+from kvindex.facade.metrics import KVIndexMetrics
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.index import IndexStats
-from kvindex.protocol import KVIndex, make_index
+from kvindex.contract import IndexStats, KVIndex, TokenMatch
+from kvindex.factory import make_index
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TIERS, TierWeights
 from scorer.load import LoadSnapshot
@@ -91,7 +91,7 @@ class Indexer:
     Args:
         config: the configuration (defaults: block size 16, xxh3_chain keys,
             no engines).
-        index: use this index (any :class:`kvindex.protocol.KVIndex`) instead of
+        index: use this index (any :class:`kvindex.contract.KVIndex`) instead of
             building the one ``kv_block_index_config.backend`` names.
 
     The write path runs only between :meth:`start` and :meth:`stop`; the read
@@ -166,8 +166,7 @@ class Indexer:
         self._lock = threading.Lock()
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
-        # the compiled index's match_tokens also answers best_dp_rank for most pods (dp_ranks=)
-        self._match_ranks = bool(getattr(type(self.index), "match_tokens_dp_ranks", False))
+        self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
         self.metrics = KVIndexMetrics(self)
 
     # -- lifecycle
@@ -333,9 +332,8 @@ class Indexer:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
         t0 = time.perf_counter()
-        match_tokens = getattr(self.index, "match_tokens", None)
-        if match_tokens is None or block_extra_keys is not None or cache_salt:
-            match_tokens = None
+        fast = self._token_match and block_extra_keys is None and not cache_salt
+        if not fast:
             keys = self.request_keys(
                 tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
             )
@@ -354,15 +352,12 @@ class Indexer:
                 raise TypeError("pods must be a collection of pod ids (str)")
             candidates = list(dict.fromkeys(pods))
         ranks: dict[str, int] | None = None
-        if match_tokens is not None:
-            # the compiled read path: keys and every candidate's match in one call (and, from the
-            # compiled index, the DP rank of each pod whose match one rank holds)
-            if self._match_ranks:
-                ranks = {}
-                keys, summary = match_tokens(
-                    tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
-            else:
-                keys, summary = match_tokens(tokens, candidates, self._bit_weights(), model=mname, lora=lora)
+        if fast:
+            # the compiled read path: keys and every candidate's match in one call, and the DP rank
+            # of each pod whose match one rank holds
+            ranks = {}
+            keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
+                tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
             prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
                 p: PrefixScore(pod=p) for p in candidates}
         else:

@@ -1,4 +1,6 @@
-"""The two-level KV block index (in-memory backend).
+"""The pure-Python reference index (the oracle the other backends are tested against).
+
+The two-level KV block index, in memory.
 
 Level 1: request key -> the pods holding that block, per pod the DP ranks and
 the tiers (bit mask, see :mod:`kvindex.tiers`) each rank holds it in.
@@ -35,6 +37,7 @@ Thread safety: every public method holds one re-entrant lock; the read path
 also refreshes recency (least-recently-used eviction counts reads as use).
 """
 
+
 from __future__ import annotations
 
 import threading
@@ -42,146 +45,15 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import takewhile
-from typing import NamedTuple
 
-import msgspec
-from sortedcontainers import SortedList
-
+from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, _AllModels
 from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
-from kvindex.protocol import IndexUnavailable
+from kvindex.side_tables import SideTables, _Orphan
 from kvindex.tiers import GPU, tier_bit, tier_names
 
-__all__ = ["ALL_MODELS", "ApplyResult", "PodEntry", "IndexStats", "KVBlockIndex", "apply_each"]
+__all__ = ["KVBlockIndex"]
 
 _GPU_BIT = tier_bit(GPU)
-
-
-class PodEntry(NamedTuple):
-    """One holder of a block: ``pod`` holds it in ``tier`` on DP rank ``dp_rank``.
-
-    ``speculative`` is True for an entry added by
-    :meth:`KVBlockIndex.add_speculative` and not yet confirmed by a
-    BlockStored (it reports tier ``gpu``).
-    """
-
-    pod: str
-    tier: str
-    dp_rank: int
-    speculative: bool = False
-
-
-class ApplyResult(msgspec.Struct):
-    """What :meth:`KVBlockIndex.apply_events` did with one publisher's batch.
-
-    Fields:
-        stored_blocks: blocks of the BlockStored events applied (the sum of
-            their ``len(block_hashes)``, orphaned ones included).
-        removed_blocks: blocks named by the BlockRemoved events applied.
-        clears: AllBlocksCleared events applied.
-        errors: one message per event refused (ValueError / TypeError of the
-            per-event call); the batch's other events are applied, in order.
-        unavailable: the message of the
-            :class:`~kvindex.protocol.IndexUnavailable` that stopped the batch
-            (a backend whose store is out of reach), else None.
-        left: events not applied because of it (that one and the rest).
-        stored_by_tier, removed_by_tier: tier -> blocks carried by the
-            BlockStored / BlockRemoved events processed (applied or refused;
-            not the ``left`` ones), the sum of their ``len(block_hashes)``
-            (what a pool's per-stream counters need, tallied by the index so
-            that a batch costs no Python step per event).
-    """
-
-    stored_blocks: int = 0
-    removed_blocks: int = 0
-    clears: int = 0
-    errors: list[str] = msgspec.field(default_factory=list)
-    unavailable: str | None = None
-    left: int = 0
-    stored_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
-    removed_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
-
-
-def apply_each(
-    index, pod: str, dp_rank: int, events, model: str | None, kinds: tuple[type, type, type], start: int = 0,
-    result: ApplyResult | None = None,
-) -> ApplyResult:
-    """Apply ``events[start:]`` one call per event (``block_stored`` / ``block_removed`` / ``clear``).
-
-    The reference semantics of :meth:`KVBlockIndex.apply_events`, for any
-    index of the :class:`kvindex.protocol.KVIndex` shape.  ``kinds`` are the
-    (BlockStored, BlockRemoved, AllBlocksCleared) event classes
-    (kvevents.events); events of another type are ignored.  An
-    :class:`~kvindex.protocol.IndexUnavailable` stops the batch there (see
-    :attr:`ApplyResult.unavailable`).
-    """
-    stored_t, removed_t, cleared_t = kinds
-    r = result if result is not None else ApplyResult()
-    for i in range(start, len(events)):
-        ev = events[i]
-        t = type(ev)
-        try:
-            if t is stored_t:
-                index.block_stored(
-                    pod, dp_rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
-                    block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
-                )
-                r.stored_blocks += len(ev.block_hashes)
-            elif t is removed_t:
-                index.block_removed(pod, dp_rank, ev.block_hashes, ev.tier, model=model)
-                r.removed_blocks += len(ev.block_hashes)
-            elif t is cleared_t:
-                index.clear(pod, dp_rank, model=model)
-                r.clears += 1
-        except (ValueError, TypeError) as exc:
-            r.errors.append(str(exc))
-        except IndexUnavailable as exc:
-            r.unavailable, r.left = str(exc), len(events) - i
-            break
-        if t is stored_t:
-            r.stored_by_tier[ev.tier] = r.stored_by_tier.get(ev.tier, 0) + len(ev.block_hashes)
-        elif t is removed_t:
-            r.removed_by_tier[ev.tier] = r.removed_by_tier.get(ev.tier, 0) + len(ev.block_hashes)
-    return r
-
-
-class IndexStats(msgspec.Struct, frozen=True):
-    """Counters and sizes of a :class:`KVBlockIndex` (a snapshot).
-
-    keys: request keys held (level 1); entries: (request key, pod, DP rank)
-    entries; engine_keys: level-2 engine keys; pods: pods holding >= 1 block;
-    evictions: request keys dropped by the capacity bound; stored_blocks /
-    removed_blocks: tier copies added / removed by events; unknown_removals:
-    BlockRemoved for an engine key the pod was not known to hold;
-    unknown_offloads: token-less BlockStored for an unknown engine key;
-    orphan_blocks: blocks waiting for their parent now; orphans: blocks that
-    ever waited; orphans_attached / orphans_dropped: of those, attached later /
-    dropped by the orphan bound or a clear; speculative: live speculative
-    entries; speculative_confirmed / speculative_expired: their fates;
-    clears: clear() calls that removed something.
-    redis_errors: calls that could not reach the Redis server (Redis backend
-    only; reads answered without prefix information, writes dropped);
-    dropped_writes: of those, write calls not applied.
-    """
-
-    keys: int
-    entries: int
-    engine_keys: int
-    pods: int
-    evictions: int
-    stored_blocks: int
-    removed_blocks: int
-    unknown_removals: int
-    unknown_offloads: int
-    orphan_blocks: int
-    orphans: int
-    orphans_attached: int
-    orphans_dropped: int
-    speculative: int
-    speculative_confirmed: int
-    speculative_expired: int
-    clears: int
-    redis_errors: int = 0
-    dropped_writes: int = 0
 
 
 class _PodBlock:
@@ -200,206 +72,7 @@ class _PodBlock:
         self.mask = m
 
 
-class _Orphan(NamedTuple):
-    pod: str
-    dp_rank: int
-    engine_keys: tuple[int, ...]
-    token_ids: Sequence[int]
-    tier: int
-    extra_keys: list | None
-    lora_name: str | None
-    model: str | None
-    removed: set[int]  # engine keys a BlockRemoved took away while waiting
-
-
 _Stream = tuple[str, int, "str | None"]  # (pod, DP rank, model): one publisher
-
-
-class _AllModels:
-    """Type of :data:`ALL_MODELS`."""
-
-    def __repr__(self) -> str:
-        return "ALL_MODELS"
-
-
-#: ``clear(pod, rank, model=ALL_MODELS)`` (the default) clears every model's stream.
-ALL_MODELS = _AllModels()
-
-
-class SideTables:
-    """The parts of the index both implementations keep in Python, shared by both.
-
-    Orphans (stores waiting for an unknown parent), speculative entries
-    (router-marked blocks with an expiry) and router-held entries by request
-    key (e.g. the connector's decode-retained tier) are rare next to the
-    blocks engines report, so :class:`KVBlockIndex` and
-    :class:`kvindex.native.NativeKVBlockIndex` keep them in the same Python
-    tables.  A subclass calls :meth:`_init_side_tables` in its constructor and
-    provides ``_lock`` (an RLock), ``max_orphan_blocks`` and the counter dict
-    ``_c`` (keys ``orphans``, ``orphans_dropped``, ``speculative_expired``).
-    """
-
-    _lock: threading.RLock
-    _c: dict[str, int]
-    max_orphan_blocks: int
-
-    def apply_events(
-        self, pod: str, dp_rank: int, events, *, model: str | None = None, kinds: tuple[type, type, type]
-    ) -> ApplyResult:
-        """Apply one publisher's decoded batch, in order (write path: pool shard -> index).
-
-        Args:
-            pod, dp_rank, model: the publisher (as :meth:`block_stored`).
-            events: the batch's events (kvevents.events BlockStored /
-                BlockRemoved / AllBlocksCleared, as decoded from vLLM's
-                ``[ts, events, dp_rank]``).
-            kinds: the (BlockStored, BlockRemoved, AllBlocksCleared) classes
-                (this floor does not import kvevents).
-
-        Returns:
-            :class:`ApplyResult`.  An event the per-event call would refuse
-            (ValueError / TypeError) is reported in ``errors`` and skipped; the
-            index is left as that call leaves it.
-
-        The reference applies each event with its own call; the compiled
-        index applies whole runs of events in one native call.
-        """
-        return apply_each(self, pod, dp_rank, events, model, kinds)
-
-    def _init_side_tables(self) -> None:
-        # orphans: (model, unknown parent engine key) -> waiting stores; keyed by
-        # model because engines do not hash the model, so only a parent stored
-        # under the same model may release a waiting store
-        self._orphans: OrderedDict[tuple[str | None, int], list[_Orphan]] = OrderedDict()
-        self._orphan_blocks = 0
-        # (pod, rank, model, engine key) -> the waiting stores holding that block
-        self._orphan_by_ek: dict[tuple[str, int, str | None, int], list[_Orphan]] = {}
-        # speculative: request key -> pod -> expiry; expiry order; pod -> keys
-        self._spec: dict[int, dict[str, float]] = {}
-        self._spec_order: SortedList = SortedList()
-        self._spec_by_pod: dict[str, set[int]] = {}
-        # held by request key (no engine key; e.g. decode-retained):
-        # pod -> request key -> tier bit -> reference count; pod -> request key -> mask
-        self._held: dict[str, dict[int, dict[int, int]]] = {}
-        self._held_mask: dict[str, dict[int, int]] = {}
-
-    def add_held(self, pod: str, request_keys: Iterable[int], tier: str) -> None:
-        """Count ``pod`` as holding ``request_keys`` in ``tier``, by request key, until removed.
-
-        For KV the router knows about without engine events, e.g. the blocks a
-        decode pod retains for a conversation's next turn (tier
-        ``decode_retained``, kept by :class:`connector.retained.RetainedStore`).
-        Reference-counted per (pod, request key, tier): each add needs one
-        :meth:`remove_held`.  No expiry and no LRU eviction of their own (the
-        caller owns their lifetime); :meth:`clear` of the whole pod drops them.
-        The read path ORs the tier into the pod's mask of each key.
-        """
-        bit = tier_bit(tier)
-        with self._lock:
-            held = self._held.setdefault(pod, {})
-            masks = self._held_mask.setdefault(pod, {})
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.setdefault(rk, {})
-                counts[bit] = counts.get(bit, 0) + 1
-                masks[rk] = masks.get(rk, 0) | bit
-
-    def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
-        """Undo one :meth:`add_held` of ``request_keys``; returns the entries that ended.
-
-        Keys not held (or already released) are skipped.
-        """
-        bit = tier_bit(tier)
-        ended = 0
-        with self._lock:
-            held = self._held.get(pod)
-            if held is None:
-                return 0
-            masks = self._held_mask[pod]
-            for rk in request_keys:
-                rk = int(rk)
-                counts = held.get(rk)
-                c = counts.get(bit) if counts is not None else None
-                if c is None:
-                    continue
-                if c > 1:
-                    counts[bit] = c - 1
-                    continue
-                del counts[bit]
-                ended += 1
-                if counts:
-                    masks[rk] &= ~bit
-                else:
-                    del held[rk]
-                    del masks[rk]
-            if not held:
-                del self._held[pod]
-                del self._held_mask[pod]
-        return ended
-
-    def _add_orphan(self, parent_ek: int, item: _Orphan) -> None:
-        n = len(item.engine_keys)
-        self._orphans.setdefault((item.model, parent_ek), []).append(item)
-        self._orphan_blocks += n
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is None:
-                self._orphan_by_ek[key] = [item]
-            else:
-                lst.append(item)  # the same block stored again while waiting (two physical copies)
-        self._c["orphans"] += n
-        while self._orphan_blocks > self.max_orphan_blocks and self._orphans:
-            _k, group = self._orphans.popitem(last=False)
-            for g in group:
-                self._forget_orphan(g)
-                self._c["orphans_dropped"] += len(g.engine_keys)
-
-    def _forget_orphan(self, item: _Orphan) -> None:
-        """Account for an orphan leaving the table (attached or dropped)."""
-        self._orphan_blocks -= len(item.engine_keys)
-        for ek in item.engine_keys:
-            key = (item.pod, item.dp_rank, item.model, ek)
-            lst = self._orphan_by_ek.get(key)
-            if lst is not None:
-                lst[:] = [w for w in lst if w is not item]
-                if not lst:
-                    del self._orphan_by_ek[key]
-
-    def _drop_orphans_of(self, pod: str, dp_rank: int | None, model: str | None | _AllModels = ALL_MODELS) -> None:
-        every = model is ALL_MODELS
-        for pk in list(self._orphans):
-            group = self._orphans[pk]
-            keep = [
-                g for g in group
-                if not (g.pod == pod and (dp_rank is None or g.dp_rank == dp_rank) and (every or g.model == model))
-            ]
-            if len(keep) != len(group):
-                kept = {id(g) for g in keep}
-                for g in group:
-                    if id(g) not in kept:
-                        self._forget_orphan(g)
-                        self._c["orphans_dropped"] += len(g.engine_keys)
-                if keep:
-                    self._orphans[pk] = keep
-                else:
-                    del self._orphans[pk]
-
-    def _expire(self, now: float) -> None:
-        order = self._spec_order
-        while order and order[0][0] <= now:
-            expiry, rk, pod = order.pop(0)
-            holders = self._spec.get(rk)
-            if holders is not None and holders.get(pod) == expiry:
-                del holders[pod]
-                if not holders:
-                    del self._spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
-                    if not mine:
-                        del self._spec_by_pod[pod]
-                self._c["speculative_expired"] += 1
 
 
 class KVBlockIndex(SideTables):
@@ -1157,4 +830,5 @@ class KVBlockIndex(SideTables):
                     if not stream:
                         self._maybe_empty.add(skey)
         self._c["evictions"] += 1
+
 

@@ -1,4 +1,4 @@
-"""indexer: the facade that wires kvindex, kvevents and scorer together.
+"""kvindex.facade: the facade that wires kvindex, kvevents and scorer together.
 
 :class:`Indexer` takes one :class:`Config` (JSON or YAML), starts the write
 path (ZMQ subscriber -> sharded pool -> index) and answers ``score(tokens,
@@ -6,10 +6,10 @@ pods)`` on the read path.  It sits above kvevents and scorer, which never
 import each other.
 """
 
-from indexer.config import Config, load_config
-from indexer.healing import HealingPolicy, HealingState, HealingStats, with_full_report
-from indexer.indexer import Indexer, IndexerStats, Score
-from indexer.metrics import KVIndexMetrics
+from kvindex.facade.config import Config, load_config
+from kvindex.facade.healing import HealingPolicy, HealingState, HealingStats, with_full_report
+from kvindex.facade.indexer import Indexer, IndexerStats, Score
+from kvindex.facade.metrics import KVIndexMetrics
 from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 

@@ -39,7 +39,7 @@ import yaml
 
 from kvevents.subscriber import EngineEndpoint
 from kvindex.keys import ALGORITHMS
-from kvindex.protocol import BACKENDS
+from kvindex.factory import BACKENDS
 from kvevents.pool import DECODERS
 from kvindex.tiers import DEFAULT_TIER_WEIGHTS, TierWeights
 
@@ -123,15 +123,17 @@ class RedisConfig(_Base, frozen=True):
 class KVBlockIndexConfig(_Base, frozen=True):
     """Index implementation and bounds.
 
-    backend: ``"python"`` (:class:`kvindex.index.KVBlockIndex`, the reference),
-    ``"native"`` (:class:`kvindex.native.NativeKVBlockIndex`, the compiled
-    core) or ``"redis"`` (:class:`kvindex.redis_index.RedisKVBlockIndex`, one
-    index shared by router replicas, configured by ``redis_config``); no
-    fallback from one to another.  ``in_memory_config.size`` bounds the
+    backend: ``"auto"`` (the default: ``"native"`` when the compiled core is
+    installed, else ``"python"``, logged once), ``"python"``
+    (:class:`kvindex.reference.KVBlockIndex`, the reference), ``"native"``
+    (:class:`kvindex.native.NativeKVBlockIndex`, the compiled core) or
+    ``"redis"`` (:class:`kvindex.redis_index.RedisKVBlockIndex`, one index
+    shared by router replicas, configured by ``redis_config``); a named
+    backend never falls back to another.  ``in_memory_config.size`` bounds the
     request keys of every backend.
     """
 
-    backend: str = "native"
+    backend: str = "auto"
     in_memory_config: InMemoryConfig = msgspec.field(default_factory=InMemoryConfig)
     redis_config: RedisConfig = msgspec.field(default_factory=RedisConfig)
 

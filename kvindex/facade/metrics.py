@@ -1,7 +1,7 @@
 """Prometheus metrics of the library: write path, index and read path.
 
 :class:`KVIndexMetrics` is one ``prometheus_client`` Collector per
-:class:`~indexer.Indexer`.  Counters and gauges are read at scrape time from
+:class:`~kvindex.facade.indexer.Indexer`.  Counters and gauges are read at scrape time from
 what the library already counts (:meth:`Indexer.stats`,
 :meth:`kvevents.EventPool.stream_counters`, :meth:`Indexer.completeness`,
 the index's ``tier_stats()``), so the write path pays nothing for them; two
@@ -28,16 +28,29 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-if TYPE_CHECKING:
-    from indexer.indexer import Indexer
+from kvevents.pool import EventPool
+from kvindex.contract import KVIndex, TierStatsSource
 
-__all__ = ["KVIndexMetrics", "METRICS", "SCORE_SECONDS_BUCKETS", "COVERAGE_BUCKETS", "PENDING_MAX"]
+
+
+class MetricsSource(Protocol):
+    """What the metrics read (an :class:`~kvindex.facade.indexer.Indexer`)."""
+
+    index: KVIndex
+    pool: EventPool
+
+    def stats(self) -> Any: ...
+
+    def completeness(self) -> Any: ...
+
+
+__all__ = ["KVIndexMetrics", "MetricsSource", "METRICS", "SCORE_SECONDS_BUCKETS", "COVERAGE_BUCKETS", "PENDING_MAX"]
 
 PENDING_MAX = 4096
 """Score observations queued for the histograms beyond which each score folds a few of them."""
@@ -128,7 +141,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 
 class KVIndexMetrics(Collector):
-    """The library's metrics for one :class:`~indexer.Indexer` (a prometheus_client Collector).
+    """The library's metrics for one :class:`~kvindex.facade.indexer.Indexer` (a prometheus_client Collector).
 
     Register it in any ``CollectorRegistry`` (:meth:`register`); one
     collector may be registered in several registries.  Scraping takes the
@@ -141,7 +154,7 @@ class KVIndexMetrics(Collector):
         indexer: the indexer to report.
     """
 
-    def __init__(self, indexer: Indexer) -> None:
+    def __init__(self, indexer: MetricsSource) -> None:
         self._ix = indexer
         # unregistered: collect() yields their samples with the rest
         self.score_seconds = Histogram(
@@ -296,10 +309,9 @@ class KVIndexMetrics(Collector):
         ):
             if value is not None:
                 yield single(name, value)
-        tier_stats = getattr(ix.index, "tier_stats", None)
-        if tier_stats is not None:
+        if isinstance(ix.index, TierStatsSource):
             tk, te = fam("kvindex_index_tier_keys"), fam("kvindex_index_tier_entries")
-            for tier, (k, e) in sorted(tier_stats().items()):
+            for tier, (k, e) in sorted(ix.index.tier_stats().items()):
                 tk.add_metric([tier], k)
                 te.add_metric([tier], e)
             yield tk
