@@ -229,90 +229,30 @@ class PDPlanner:
         n_prompt = len(tokens)
         keys = self.request_keys(tokens, cache_salt)
         reasons: list[str] = []
-
-        p_scores = score_prefix(self.index, keys, list(prefill_pods), block_size=self.block_size, weights=self.weights)
-        p_choice = self.prefill_picker.pick(p_scores, loads, list(prefill_pods))
-        p = p_choice.pod
-        local = predicted_cached_tokens(p_scores[p].matched_blocks, n_prompt, self.block_size)
-        reasons.append(f"P {p}: {p_choice.explanation[p].reason}; {local} tokens cached locally")
-
-        d_scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
-        d_choice = self.decode_picker.pick(d_scores, loads, list(decode_pods))
-        d = d_choice.pod
-
+        p_choice, local = self._pick_prefill(keys, n_prompt, prefill_pods, loads, reasons)
         entry = self.store.get(conversation_id) if conversation_id is not None else None
         retained_pod = entry.decode_pod if entry is not None else None
-        if retained_pod is not None:
-            why = "holds the conversation" if d == retained_pod else f"{retained_pod} holds the conversation but lost"
-            reasons.append(f"D {d}: {d_choice.explanation[d].reason} ({why})")
-        else:
-            reasons.append(f"D {d}: {d_choice.explanation[d].reason}")
-
-        guard: GuardResult | None = None
-        pullable = 0
-        remote: RemoteKVParams | None = None
-        kind: str | None = None
-        if conversation_id is None:
-            kind, why = "no_conversation", "no conversation_id: nothing retained to pull"
-        elif entry is None:
-            kind, why = "no_entry", "no live retained entry (first turn, expired, used or evicted)"
-        elif entry.decode_pod not in decode_pods:
-            kind, why = "decode_gone", f"retained on {entry.decode_pod}, which is no longer a decode candidate"
-            self.store.discard(conversation_id)
-        else:
-            if self.guard:
-                guard = clip_to_prompt(
-                    entry.params, entry.tokens, entry.request_keys, tokens, keys, self.block_size
-                )
-                remote = guard.params
-                pullable = guard.reusable_tokens
-                if guard.clipped:
-                    with self._lock:
-                        self._clipped += 1
-                reasons.append(f"guard: {guard.reason}")
-            else:
-                remote = entry.params
-                pullable = entry.num_tokens
-                reasons.append("guard off: D's params sent as they are")
-            if remote is None:
-                kind, why = "guard_nothing", "nothing reusable after the guard"
-                self.store.discard(conversation_id)
-            else:
-                pull = predicted_pull_tokens(pullable, n_prompt, local)
-                if pull < self.recompute_threshold or pull == 0:
-                    kind = "below_threshold"
-                    why = (
-                        f"pullable {min(pullable, n_prompt)} - local {local} = {pull} "
-                        f"< threshold {self.recompute_threshold}"
-                    )
-                else:
-                    why = (
-                        f"pullable {min(pullable, n_prompt)} - local {local} = {pull} "
-                        f">= threshold {self.recompute_threshold}: pull from {entry.decode_pod}"
-                    )
-        if kind is None and remote is not None and entry is not None:
+        d_choice = self._pick_decode(keys, decode_pods, loads, retained_pod, reasons)
+        kind, why, remote, guard, pullable = self._retained(
+            conversation_id, entry, decode_pods, tokens, keys, local, reasons)
+        if kind is None and remote is not None:
             assert conversation_id is not None
             if self.store.take(conversation_id) is None:
                 # a shared store (connector.redis_retained): another router replica used it first
                 kind, why = "taken", "the retained entry was used meanwhile (by another router)"
                 remote = None
-        if kind is None and remote is not None and entry is not None:
+        if kind is None and remote is not None:
             pulled = predicted_pull_tokens(pullable, n_prompt, local)
             action, params = PULL, remote.to_dict()
-            with self._lock:
-                self._pulls += 1
         else:
             pulled = 0
             action, params = RECOMPUTE, prefill_request_params().to_dict()
-            with self._lock:
-                self._recomputes[kind or "other"] += 1
+        self._count(action, kind)
         reasons.append(f"{action}: {why}")
-        with self._lock:
-            self._turns += 1
         return TurnPlan(
             conversation_id=conversation_id,
-            prefill_pod=p,
-            decode_pod=d,
+            prefill_pod=p_choice.pod,
+            decode_pod=d_choice.pod,
             action=action,
             prefill_params=params,
             prompt_tokens=n_prompt,
@@ -326,6 +266,76 @@ class PDPlanner:
             decode_choice=d_choice,
             cache_salt=cache_salt or None,
         )
+
+    def _pick_prefill(
+        self, keys: Sequence[int], n_prompt: int, prefill_pods: Sequence[str], loads: Mapping[str, LoadSnapshot],
+        reasons: list[str],
+    ) -> tuple[Choice, int]:
+        """P by prefix and load; (its choice, the prompt tokens it will find in its own prefix cache)."""
+        scores = score_prefix(self.index, keys, list(prefill_pods), block_size=self.block_size, weights=self.weights)
+        choice = self.prefill_picker.pick(scores, loads, list(prefill_pods))
+        p = choice.pod
+        local = predicted_cached_tokens(scores[p].matched_blocks, n_prompt, self.block_size)
+        reasons.append(f"P {p}: {choice.explanation[p].reason}; {local} tokens cached locally")
+        return choice, local
+
+    def _pick_decode(
+        self, keys: Sequence[int], decode_pods: Sequence[str], loads: Mapping[str, LoadSnapshot],
+        retained_pod: str | None, reasons: list[str],
+    ) -> Choice:
+        """D by prefix (the retained tier included) and load."""
+        scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
+        choice = self.decode_picker.pick(scores, loads, list(decode_pods))
+        d = choice.pod
+        if retained_pod is not None:
+            why = "holds the conversation" if d == retained_pod else f"{retained_pod} holds the conversation but lost"
+            reasons.append(f"D {d}: {choice.explanation[d].reason} ({why})")
+        else:
+            reasons.append(f"D {d}: {choice.explanation[d].reason}")
+        return choice
+
+    def _retained(
+        self, conversation_id: str | None, entry: RetainedEntry | None, decode_pods: Sequence[str],
+        tokens: np.ndarray, keys: Sequence[int], local: int, reasons: list[str],
+    ) -> tuple[str | None, str, RemoteKVParams | None, GuardResult | None, int]:
+        """What D retained for this turn: (recompute kind or None to pull, why, params, guard, pullable tokens)."""
+        n_prompt = len(tokens)
+        if conversation_id is None:
+            return "no_conversation", "no conversation_id: nothing retained to pull", None, None, 0
+        if entry is None:
+            return "no_entry", "no live retained entry (first turn, expired, used or evicted)", None, None, 0
+        if entry.decode_pod not in decode_pods:
+            self.store.discard(conversation_id)
+            why = f"retained on {entry.decode_pod}, which is no longer a decode candidate"
+            return "decode_gone", why, None, None, 0
+        guard: GuardResult | None = None
+        if self.guard:
+            guard = clip_to_prompt(entry.params, entry.tokens, entry.request_keys, tokens, keys, self.block_size)
+            remote, pullable = guard.params, guard.reusable_tokens
+            if guard.clipped:
+                with self._lock:
+                    self._clipped += 1
+            reasons.append(f"guard: {guard.reason}")
+        else:
+            remote, pullable = entry.params, entry.num_tokens
+            reasons.append("guard off: D's params sent as they are")
+        if remote is None:
+            self.store.discard(conversation_id)
+            return "guard_nothing", "nothing reusable after the guard", None, guard, pullable
+        pull = predicted_pull_tokens(pullable, n_prompt, local)
+        balance = f"pullable {min(pullable, n_prompt)} - local {local} = {pull}"
+        if pull < self.recompute_threshold or pull == 0:
+            return "below_threshold", f"{balance} < threshold {self.recompute_threshold}", remote, guard, pullable
+        why = f"{balance} >= threshold {self.recompute_threshold}: pull from {entry.decode_pod}"
+        return None, why, remote, guard, pullable
+
+    def _count(self, action: str, kind: str | None) -> None:
+        with self._lock:
+            if action == PULL:
+                self._pulls += 1
+            else:
+                self._recomputes[kind or "other"] += 1
+            self._turns += 1
 
     def decode_only(
         self,

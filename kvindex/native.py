@@ -59,8 +59,8 @@ import numpy as np
 
 from kvindex import _native
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
-from kvindex.side_tables import SideTables, _Orphan, apply_each
-from kvindex.keys import TokenProcessor, _tokens_to_u64, extra_keys_from_event, int_lora_scope
+from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
+from kvindex.keys import TokenProcessor, _tokens_to_u64
 from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
 
 __all__ = ["NativeKVBlockIndex"]
@@ -167,20 +167,10 @@ class NativeKVBlockIndex(SideTables):
                 if self._spec:
                     self._confirm_many(pod, done)
                 return len(done)
-            if block_size is not None and block_size != self.block_size:
-                raise ValueError(f"event block_size {block_size} != index block_size {self.block_size}")
-            if len(token_ids) != self.block_size * len(engine_keys):
-                raise ValueError(f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}")
+            extras, lora_name = checked_store(
+                self.block_size, len(engine_keys), token_ids, block_size, extra_keys, lora_name)
             if model not in self._models:
                 self._models.add(model)
-            extras = extra_keys_from_event(extra_keys, lora_name)
-            if lora_name is None and extra_keys:
-                lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
-            if extras is not None:
-                if len(extras) != len(engine_keys):
-                    raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
-                if all(e is None for e in extras):
-                    extras = None
             if self._compat:
                 n = self._core.store_keys(pod, rank, mid, engine_keys, engine_keys, bit)
                 if self._spec:

@@ -93,8 +93,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvindex.contract import ALL_MODELS, IndexStats, PodEntry
-from kvindex.side_tables import SideTables, _Orphan
-from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
+from kvindex.side_tables import SideTables, _Orphan, checked_store
+from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
 from kvindex.redis_lua import SCRIPTS
 from kvindex.tiers import GPU, tier_bit, tier_names
@@ -395,18 +395,7 @@ class RedisKVBlockIndex(SideTables):
                 self._c["speculative_confirmed"] += confirmed
                 self._c["unknown_offloads"] += unknown
                 return stored
-            if block_size is not None and block_size != self.block_size:
-                raise ValueError(f"event block_size {block_size} != index block_size {self.block_size}")
-            if len(token_ids) != self.block_size * len(eks):
-                raise ValueError(f"{len(token_ids)} token ids for {len(eks)} blocks of {self.block_size}")
-            extras = extra_keys_from_event(extra_keys, lora_name)
-            if lora_name is None and extra_keys:
-                lora_name = int_lora_scope(extra_keys)
-            if extras is not None:
-                if len(extras) != len(eks):
-                    raise ValueError(f"{len(extras)} extra_keys entries for {len(eks)} blocks")
-                if all(e is None for e in extras):
-                    extras = None
+            extras, lora_name = checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
             mid = self._mid(model, create=True)
             if model not in self._models:
                 self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))

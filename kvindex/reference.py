@@ -1,6 +1,4 @@
-"""The pure-Python reference index (the oracle the other backends are tested against).
-
-The two-level KV block index, in memory.
+"""The two-level KV block index in pure Python: the reference (the oracle the other backends are tested against).
 
 Level 1: request key -> the pods holding that block, per pod the DP ranks and
 the tiers (bit mask, see :mod:`kvindex.tiers`) each rank holds it in.
@@ -16,22 +14,9 @@ Router-held entries by request key (the connector's decode-retained tier):
 Read path (any thread): :meth:`KVBlockIndex.prefix_match`,
 :meth:`KVBlockIndex.lookup`.
 
-The event semantics mirror vllm/distributed/kv_events.py (vLLM 0.32):
-
-- BlockStored with token ids: the request keys of the stored blocks are
-  chained from the request key of ``parent_block_hash`` (the engine hash of the
-  block before the first one; None at a sequence start).  When the parent's
-  engine key is unknown (its event was lost, or it was stored before we
-  subscribed) the blocks wait in a bounded orphan table keyed by that parent
-  and are attached when the parent arrives (a later event or a replay).
-- BlockStored without token ids (an offloading connector announcing a copy in
-  another medium): adds that tier to blocks already known by engine key.
-- BlockRemoved: removes one tier of the pod's (DP rank's) copy; the entry goes
-  when no tier is left.
-- AllBlocksCleared / engine restart / pod removal: :meth:`KVBlockIndex.clear`.
-
-In engine-compatible mode (``token_processor.engine_compatible``) request keys
-*are* engine keys: no chaining, no orphans, no level-2 lookups.
+The event semantics (vllm/distributed/kv_events.py, vLLM 0.32: chaining from
+the parent, orphans, token-less stores, tier copies, clears, engine-compatible
+mode) are described in docs/design.md, "The index".
 
 Thread safety: every public method holds one re-entrant lock; the read path
 also refreshes recency (least-recently-used eviction counts reads as use).
@@ -47,8 +32,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import takewhile
 
 from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, _AllModels
-from kvindex.keys import TokenProcessor, extra_keys_from_event, int_lora_scope
-from kvindex.side_tables import SideTables, _Orphan
+from kvindex.keys import TokenProcessor
+from kvindex.side_tables import SideTables, _Orphan, checked_store
 from kvindex.tiers import GPU, tier_bit, tier_names
 
 __all__ = ["KVBlockIndex"]
@@ -170,27 +155,22 @@ class KVBlockIndex(SideTables):
 
         Args:
             pod, dp_rank: the publisher (pod id from the topic; rank from the batch).
-            engine_keys: the event's block hashes as uint64, one per block.
-            parent_engine_key: uint64 hash of the block before the first one,
-                None at a sequence start.
+            engine_keys, parent_engine_key: the event's block hashes (uint64) and
+                the hash of the block before the first one (None at a sequence start).
             token_ids: ``block_size * len(engine_keys)`` token ids, or empty /
                 None for a token-less store (adds ``tier`` to known blocks).
             tier: tier name of the copy (``gpu``, ``cpu``, ...).
-            block_size: the event's block size; must equal the token
-                processor's when token ids are given.
-            extra_keys: per block, the untagged extra keys the event carries
-                (LoRA name first when ``lora_name`` is set; it is stripped
-                here because the LoRA name scopes the chain root instead).
-            lora_name: LoRA adapter name, scopes the keys.
-            model: model name (from the topic), scopes the keys.
+            block_size: the event's; must equal the token processor's when tokens are given.
+            extra_keys: per block, the untagged extra keys of the event (a LoRA
+                name first is stripped: the LoRA name scopes the chain root).
+            lora_name, model: scope the keys (model from the topic).
 
         Returns:
-            Blocks attached by this call (including orphans it released);
-            0 when the blocks wait for an unknown parent.
+            Blocks attached now (orphans released included); 0 when they wait
+            for an unknown parent.
 
         Raises:
-            ValueError: block size mismatch or token count not
-                ``block_size * len(engine_keys)``.
+            ValueError: see :func:`kvindex.side_tables.checked_store`.
         """
         bit = tier_bit(tier)
         with self._lock:
@@ -199,24 +179,10 @@ class KVBlockIndex(SideTables):
                 if self._maybe_empty:
                     self._prune_streams()
                 return n
-            if block_size is not None and block_size != self.block_size:
-                raise ValueError(
-                    f"event block_size {block_size} != index block_size {self.block_size}"
-                )
-            if len(token_ids) != self.block_size * len(engine_keys):
-                raise ValueError(
-                    f"{len(token_ids)} token ids for {len(engine_keys)} blocks of {self.block_size}"
-                )
+            extras, lora_name = checked_store(
+                self.block_size, len(engine_keys), token_ids, block_size, extra_keys, lora_name)
             if model not in self._models:
                 self._models.add(model)
-            extras = extra_keys_from_event(extra_keys, lora_name)
-            if lora_name is None and extra_keys:
-                lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
-            if extras is not None:
-                if len(extras) != len(engine_keys):
-                    raise ValueError(f"{len(extras)} extra_keys entries for {len(engine_keys)} blocks")
-                if all(e is None for e in extras):
-                    extras = None
             if self._compat:
                 stream = self._stream(pod, dp_rank, model)
                 for ek in engine_keys:

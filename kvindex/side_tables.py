@@ -11,14 +11,43 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexUnavailable, _AllModels
+from kvindex.keys import extra_keys_from_event, int_lora_scope
 from kvindex.tiers import tier_bit
 
-__all__ = ["SideTables", "apply_each"]
+__all__ = ["SideTables", "apply_each", "checked_store"]
+
+
+def checked_store(
+    index_block_size: int,
+    n_blocks: int,
+    token_ids: Sequence[int],
+    block_size: int | None,
+    extra_keys: Sequence[Sequence | None] | None,
+    lora_name: str | None,
+) -> tuple[list | None, str | None]:
+    """Check one BlockStored with tokens; returns (per-block extra keys or None, the LoRA scope).
+
+    Raises ValueError: a block size other than the index's, a token count
+    other than ``block_size * n_blocks``, extra keys not one entry per block.
+    """
+    if block_size is not None and block_size != index_block_size:
+        raise ValueError(f"event block_size {block_size} != index block_size {index_block_size}")
+    if len(token_ids) != index_block_size * n_blocks:
+        raise ValueError(f"{len(token_ids)} token ids for {n_blocks} blocks of {index_block_size}")
+    extras = extra_keys_from_event(extra_keys, lora_name)
+    if lora_name is None and extra_keys:
+        lora_name = int_lora_scope(extra_keys)  # an old engine's numeric LoRA id: its own scope
+    if extras is not None:
+        if len(extras) != n_blocks:
+            raise ValueError(f"{len(extras)} extra_keys entries for {n_blocks} blocks")
+        if all(e is None for e in extras):
+            extras = None
+    return extras, lora_name
 
 
 def apply_each(
