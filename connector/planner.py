@@ -233,7 +233,7 @@ class PDPlanner:
         entry = self.store.get(conversation_id) if conversation_id is not None else None
         retained_pod = entry.decode_pod if entry is not None else None
         d_choice = self._pick_decode(keys, decode_pods, loads, retained_pod, reasons)
-        kind, why, remote, guard, pullable = self._retained(
+        kind, why, remote, guard, pullable = self._retained_decision(
             conversation_id, entry, decode_pods, tokens, keys, local, reasons)
         if kind is None and remote is not None:
             assert conversation_id is not None
@@ -247,7 +247,7 @@ class PDPlanner:
         else:
             pulled = 0
             action, params = RECOMPUTE, prefill_request_params().to_dict()
-        self._count(action, kind)
+        self._tally(action, kind)
         reasons.append(f"{action}: {why}")
         return TurnPlan(
             conversation_id=conversation_id,
@@ -294,7 +294,7 @@ class PDPlanner:
             reasons.append(f"D {d}: {choice.explanation[d].reason}")
         return choice
 
-    def _retained(
+    def _retained_decision(
         self, conversation_id: str | None, entry: RetainedEntry | None, decode_pods: Sequence[str],
         tokens: np.ndarray, keys: Sequence[int], local: int, reasons: list[str],
     ) -> tuple[str | None, str, RemoteKVParams | None, GuardResult | None, int]:
@@ -329,7 +329,7 @@ class PDPlanner:
         why = f"{balance} >= threshold {self.recompute_threshold}: pull from {entry.decode_pod}"
         return None, why, remote, guard, pullable
 
-    def _count(self, action: str, kind: str | None) -> None:
+    def _tally(self, action: str, kind: str | None) -> None:
         with self._lock:
             if action == PULL:
                 self._pulls += 1
