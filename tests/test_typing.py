@@ -56,3 +56,8 @@ def test_misuse_is_flagged(tmp_path: Path, cache_dir: Path) -> None:
     flagged = {int(m) for m in re.findall(r"^misuse\.py:(\d+): error:", proc.stdout, re.MULTILINE)}
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert flagged == expected, proc.stdout
+
+
+def test_user_router_runs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(USER_SCRIPT)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
