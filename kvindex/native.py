@@ -328,7 +328,7 @@ class NativeKVBlockIndex(SideTables):
     # ------------------------------------------------------------------- read
 
     def prefix_match(
-        self, request_keys: Sequence[int], pods: Collection[str] | None = None
+        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None = None
     ) -> dict[str, list[int]]:
         """Longest consecutive prefix each pod holds, as tier masks per block.
 

@@ -90,7 +90,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvindex.contract import ALL_MODELS, IndexStats, PodEntry
 from kvindex.side_tables import SideTables, _Orphan, checked_store
@@ -98,6 +98,9 @@ from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
 from kvindex.redis_lua import SCRIPTS
 from kvindex.tiers import GPU, tier_bit, tier_names
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["RedisKVBlockIndex", "DEFAULT_KEY_PREFIX"]
 
@@ -539,7 +542,7 @@ class RedisKVBlockIndex(SideTables):
     # ------------------------------------------------------------------- read
 
     def prefix_match(
-        self, request_keys: Sequence[int], pods: Collection[str] | None = None
+        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None = None
     ) -> dict[str, list[int]]:
         """Longest consecutive prefix each pod holds, as tier masks per block (one script).
 

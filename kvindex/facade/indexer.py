@@ -447,20 +447,28 @@ class Indexer:
                 model, sorted(map(str, seen)),
             )
 
-    def route(self, tokens: Sequence[int] | np.ndarray, pods: Collection[str] | None = None, **kw) -> Score:
+    def route(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        pods: Collection[str] | None = None,
+        *,
+        model: str | None = None,
+        lora: str | None = None,
+        block_extra_keys: Sequence[Sequence | None] | None = None,
+        cache_salt: str | None = None,
+        loads: Mapping[str, LoadSnapshot] | None = None,
+    ) -> Score:
         """:meth:`score`, then count the request in flight on the chosen pod and,
         when ``speculative_ttl`` > 0, mark its blocks as speculatively held there.
         Call :meth:`request_finished` with the pod when the request ends."""
-        result = self.score(tokens, pods, **kw)
+        result = self.score(
+            tokens, pods, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt, loads=loads
+        )
         if result.pod is not None:
             self.request_started(result.pod)
             if self.speculative_ttl > 0 and result.request_blocks:
                 keys = self.request_keys(
-                    tokens,
-                    model=kw.get("model"),
-                    lora=kw.get("lora"),
-                    block_extra_keys=kw.get("block_extra_keys"),
-                    cache_salt=kw.get("cache_salt"),
+                    tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
                 )
                 self.index.add_speculative(keys, result.pod, self.speculative_ttl)
         return result
