@@ -13,7 +13,7 @@ Redis) import only this module and :mod:`kvindex.side_tables`.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
 
@@ -22,8 +22,12 @@ if TYPE_CHECKING:
 
     from kvindex.keys import TokenProcessor
 
+#: Request keys as a reader passes them: ints, or a uint64 array (the compiled key chain's output).
+RequestKeys: TypeAlias = "Sequence[int] | np.ndarray"
+
 __all__ = [
     "ALL_MODELS",
+    "RequestKeys",
     "ApplyResult",
     "BatchApply",
     "Generational",
@@ -189,7 +193,7 @@ class KVIndex(Protocol):
 
     # read path
     def prefix_match(
-        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None = None
+        self, request_keys: RequestKeys, pods: Collection[str] | None = None
     ) -> dict[str, list[int]]: ...
 
     def lookup(self, request_keys: Iterable[int]) -> list[tuple[PodEntry, ...]]: ...

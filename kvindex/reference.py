@@ -30,15 +30,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import takewhile
-from typing import TYPE_CHECKING
 
-from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, _AllModels
+from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, RequestKeys, _AllModels
 from kvindex.keys import TokenProcessor
 from kvindex.side_tables import SideTables, _Orphan, checked_store
 from kvindex.tiers import GPU, tier_bit, tier_names
-
-if TYPE_CHECKING:
-    import numpy as np
 
 __all__ = ["KVBlockIndex"]
 
@@ -325,7 +321,7 @@ class KVBlockIndex(SideTables):
     # ------------------------------------------------------------------- read
 
     def prefix_match(
-        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None = None
+        self, request_keys: RequestKeys, pods: Collection[str] | None = None
     ) -> dict[str, list[int]]:
         """Longest consecutive prefix each pod holds, as tier masks per block.
 
