@@ -149,6 +149,65 @@ def test_after_flush_the_index_predicts_the_engine_exactly(ops: list[tuple[str, 
             assert matched(ix, "pod-a", p) == engine_prefix(engine, p), (i, ops)
 
 
+# ------------------------------------------------- topics without a model
+
+
+def test_a_replay_without_topic_frames_is_filed_under_the_configured_model() -> None:
+    # an old engine replies [b"", seq, payload]: the stream's model comes from the configuration
+    with FakeEngine(pod="pod-a", model="m", replay_with_topic=False) as engine:
+        engine.serve(prompt(1))  # before the router starts: it arrives only by the replay
+        with indexer(engine) as ix:
+            assert ix.flush()
+            assert matched(ix, "pod-a", prompt(1)) == 4
+            engine.serve(prompt(2))  # live, with the topic kv@pod-a@m: the same stream
+            assert ix.flush()
+            assert matched(ix, "pod-a", prompt(2)) == 4
+            assert [(s.model, s.complete) for s in ix.completeness("pod-a")] == [("m", True)]
+
+
+@pytest.mark.parametrize("with_topic", [True, False])
+def test_a_topic_naming_no_model_files_under_the_engine_entry_model(with_topic: bool) -> None:
+    # vLLM's default topic is "": neither live messages nor replays name a model
+    with FakeEngine(pod="pod-a", model="ignored", topic="", replay_with_topic=with_topic) as engine:
+        engine.serve(prompt(1))
+        entry = {**engine.engine_entry(), "model": "m2"}
+        cfg = Config.from_dict({"model_name": "m", "kv_events_config": {"engines": [entry]}})
+        with Indexer(cfg) as ix:
+            assert ix.flush()
+            engine.serve(prompt(2))
+            assert ix.flush()
+            assert [matched(ix, "pod-a", prompt(i), model="m2") for i in (1, 2)] == [4, 4]
+            assert {s.model for s in ix.completeness("pod-a")} == {"m2"}
+
+
+def test_a_topic_naming_no_model_falls_back_to_model_name() -> None:
+    with FakeEngine(pod="pod-a", topic="kv@pod-a@", replay_with_topic=False) as engine:
+        engine.serve(prompt(1))
+        with indexer(engine, model="m") as ix:
+            assert ix.flush()
+            engine.serve(prompt(2))
+            assert ix.flush()
+            assert [matched(ix, "pod-a", prompt(i)) for i in (1, 2)] == [4, 4]
+
+
+def test_bind_mode_files_a_topic_without_model_under_model_name(ctx: zmq.Context) -> None:
+    probe = ctx.socket(zmq.PUB)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    bind = f"tcp://127.0.0.1:{port}"
+    with FakeEngine(pod="pod-b", topic="kv@pod-b@", endpoint=bind, pub_bind=False) as engine:
+        assert engine.replay_endpoint is not None
+        cfg = Config.from_dict({"model_name": "m", "kv_events_config": {
+            "zmq_endpoint": bind, "bind_replay": {"pod-b": engine.replay_endpoint}}})
+        with Indexer(cfg) as ix:
+            for i in range(3):
+                engine.serve(prompt(i))  # the first may go out before the engine's connection is up
+            report = ix.flush_report(30)
+            assert report.ok and report.caught_up == ["pod-b/0"]
+            assert [matched(ix, "pod-b", prompt(i)) for i in range(3)] == [4, 4, 4]
+            assert {s.model for s in ix.completeness("pod-b")} == {"m"}
+
+
 # ---------------------------------------------------- the fake on the wire
 
 

@@ -135,13 +135,15 @@ class Indexer:
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
             rejoin_checks=ev.rejoin_checks,
         )
-        self._engines = {e.pod: e for e in ev.engines}  # pod -> its entry (flush asks their replay endpoints)
+        # pod -> its entry, the model filled in: blocks of a topic that names no model are filed under it
+        self._engines = {e.pod: self._with_model(e) for e in ev.engines}
         self.subscriber = Subscriber(
             self.pool,
             list(self._engines.values()),
             bind=ev.zmq_endpoint,
             bind_replay=ev.bind_replay,
             bind_engine=ev.engine,
+            bind_model=cfg.model_name,
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
@@ -210,8 +212,15 @@ class Indexer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _with_model(self, engine: EngineEndpoint) -> EngineEndpoint:
+        """``engine`` with ``model`` defaulting to ``config.model_name`` (for topics that name none)."""
+        if engine.model is None and self.config.model_name is not None:
+            return msgspec.structs.replace(engine, model=self.config.model_name)
+        return engine
+
     def add_engine(self, engine: EngineEndpoint) -> None:
-        """Subscribe to one more engine while running."""
+        """Subscribe to one more engine while running (its ``model`` defaults to ``config.model_name``)."""
+        engine = self._with_model(engine)
         with self._lock:
             self._engines[engine.pod] = engine
         self.subscriber.add_engine(engine)
