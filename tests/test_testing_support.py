@@ -115,6 +115,12 @@ def test_flush_reports_engines_it_cannot_verify(ctx: zmq.Context) -> None:
             assert ix.flush(5)
 
 
+def test_flush_before_start_is_a_caller_error() -> None:
+    with FakeEngine(pod="pod-a", model="m") as engine:
+        with pytest.raises(RuntimeError):
+            indexer(engine).flush(1)
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(
     st.one_of(

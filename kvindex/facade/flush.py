@@ -213,13 +213,13 @@ def flush_engines(
     """Wait until ``pool`` has applied what every engine published before the call; see :class:`FlushReport`."""
     t0 = time.monotonic()
     deadline = t0 + timeout
+    drained = pool.flush(timeout)  # what is queued first (RuntimeError when not started): less to ask for
     targets, unverified = _targets(engines, bind_replay, bind_engine, default_model, pool)
     ctx = pool.zmq_context
     ask_for = min(replay_timeout, timeout)
-    lost = _set_goals(ctx, pool, targets, list(range(len(targets))), ask_for) if targets else set()
-    pending = [i for i in range(len(targets)) if i not in lost and targets[i].goal is not None]
-    done = [targets[i].label for i in range(len(targets)) if i not in lost and targets[i].goal is None]
-    drained = pool.flush(max(0.0, deadline - time.monotonic()))
+    lost = _set_goals(ctx, pool, targets, list(range(len(targets))), ask_for) if targets and drained else set()
+    pending = [i for i in range(len(targets)) if i not in lost and (targets[i].goal is not None or not drained)]
+    done = [targets[i].label for i in range(len(targets)) if i not in lost and i not in pending]
     while pending and drained:
         check: dict[int, Applied] = {}
         now = time.monotonic()
