@@ -276,6 +276,7 @@ class StreamState(NamedTuple):
     losses: how many times the stream lost state so far (it became
         incomplete, was cleared, or applied a batch with a malformed event);
         a change means a new loss even while the stream stays incomplete.
+    last_ts: the engine timestamp of the batch at ``last_seq`` (None with it).
     """
 
     pod: str
@@ -286,6 +287,7 @@ class StreamState(NamedTuple):
     last_seq: int | None
     why: str
     losses: int = 0
+    last_ts: float | None = None
 
 
 class _Flush(NamedTuple):
@@ -1207,7 +1209,7 @@ class EventPool:
                 if pod is None or st.pod == pod:
                     sq = st.seq
                     out.append(StreamState(
-                        st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why, st.losses
+                        st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why, st.losses, sq.last_ts
                     ))
         out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
         return out

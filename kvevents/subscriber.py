@@ -130,6 +130,7 @@ class Subscriber:
         bind_replay: bind mode: pod -> replay endpoint of its DP rank 0 (rank r
             uses port + r).
         bind_engine: payload format of the engines dialling into ``bind``.
+        bind_model: bind mode: the model of messages whose topic names none.
         context: ZMQ context (default: one of its own, allowing ``max_sockets``).
         max_sockets: socket limit of the default context; each engine DP rank
             takes three (its SUB socket and a connection monitor's pair).
@@ -147,6 +148,7 @@ class Subscriber:
         bind: str | None = None,
         bind_replay: Mapping[str, str] | None = None,
         bind_engine: str = "vllm",
+        bind_model: str | None = None,
         context: zmq.Context | None = None,
         rcvhwm: int = 100_000,
         max_sockets: int = 65_536,
@@ -163,6 +165,7 @@ class Subscriber:
         self._bind = bind
         self._bind_replay = dict(bind_replay or {})
         self._bind_engine = bind_engine
+        self._bind_model = bind_model
         self._rcvhwm = rcvhwm
         self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -226,7 +229,7 @@ class Subscriber:
             ep = replay.get(pod)
             return offset_port(ep, rank) if ep else None
 
-        return Source(pod=None, engine=self._bind_engine, replay=lookup if replay else None)
+        return Source(pod=None, engine=self._bind_engine, replay=lookup if replay else None, model=self._bind_model)
 
     def _open(self, sockets: dict[zmq.Socket, Source], owners: dict[str, list[zmq.Socket]], eng: EngineEndpoint) -> None:
         for rank, endpoint, replay in eng.ranks():

@@ -1,11 +1,12 @@
 """A simulated fleet of vLLM engines that publish KV-cache events over real ZMQ.
 
-The simulator is an independent implementation of the engine side of vLLM 0.32's
-KV-event protocol (vllm/distributed/kv_events.py): three-frame PUB messages,
-msgpack batches ``[ts, events, data_parallel_rank]``, events as maps (current
-vLLM) or positional arrays (older vLLM), three block-hash wire forms and the
-replay ROUTER.  It does not import kvindex, so the library's decoders and key
-functions are checked against a peer that was written separately.
+The engine is :class:`kvevents.testing.FakeEngine` (shipped with the library):
+an independent implementation of the engine side of vLLM 0.32's KV-event
+protocol (vllm/distributed/kv_events.py): three-frame PUB messages, msgpack
+batches ``[ts, events, data_parallel_rank]``, events as maps (current vLLM) or
+positional arrays (older vLLM), three block-hash wire forms and the replay
+ROUTER.  It does not use the library's decoders or key functions, so those are
+checked against a peer that was written separately.
 
 - :class:`SimEngine` - one engine (one pod, one DP rank) in this process.
 - :class:`SimFleet` - several engines, each in its own process.

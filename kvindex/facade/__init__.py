@@ -7,6 +7,7 @@ import each other.
 """
 
 from kvindex.facade.config import Config, load_config
+from kvindex.facade.flush import FlushReport
 from kvindex.facade.healing import HealingPolicy, HealingState, HealingStats, with_full_report
 from kvindex.facade.indexer import Indexer, IndexerStats, Score
 from kvindex.facade.metrics import KVIndexMetrics
@@ -14,6 +15,6 @@ from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 
 __all__ = [
-    "Config", "EngineEndpoint", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
+    "Config", "EngineEndpoint", "FlushReport", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
     "KVIndexMetrics", "LoadSnapshot", "Score", "load_config", "with_full_report",
 ]

@@ -28,6 +28,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from kvindex.facade.config import Config
+from kvindex.facade.flush import FlushReport, flush_engines
 from kvindex.facade.metrics import KVIndexMetrics
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
@@ -39,7 +40,7 @@ from scorer.load import LoadSnapshot
 from scorer.picker import Choice, PickerWeights, TTFTPicker, WeightedPicker
 from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_from_matches
 
-__all__ = ["Indexer", "Score", "IndexerStats"]
+__all__ = ["Indexer", "Score", "IndexerStats", "FlushReport"]
 
 log = logging.getLogger("indexer")
 
@@ -134,12 +135,15 @@ class Indexer:
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
             rejoin_checks=ev.rejoin_checks,
         )
+        # pod -> its entry, the model filled in: blocks of a topic that names no model are filed under it
+        self._engines = {e.pod: self._with_model(e) for e in ev.engines}
         self.subscriber = Subscriber(
             self.pool,
-            ev.engines,
+            list(self._engines.values()),
             bind=ev.zmq_endpoint,
             bind_replay=ev.bind_replay,
             bind_engine=ev.engine,
+            bind_model=cfg.model_name,
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
@@ -208,14 +212,24 @@ class Indexer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _with_model(self, engine: EngineEndpoint) -> EngineEndpoint:
+        """``engine`` with ``model`` defaulting to ``config.model_name`` (for topics that name none)."""
+        if engine.model is None and self.config.model_name is not None:
+            return msgspec.structs.replace(engine, model=self.config.model_name)
+        return engine
+
     def add_engine(self, engine: EngineEndpoint) -> None:
-        """Subscribe to one more engine while running."""
+        """Subscribe to one more engine while running (its ``model`` defaults to ``config.model_name``)."""
+        engine = self._with_model(engine)
+        with self._lock:
+            self._engines[engine.pod] = engine
         self.subscriber.add_engine(engine)
 
     def remove_engine(self, pod: str) -> None:
         """Unsubscribe from ``pod`` and forget its blocks and load."""
         self.subscriber.remove_engine(pod)
         with self._lock:
+            self._engines.pop(pod, None)
             self._loads.pop(pod, None)
             self._in_flight.pop(pod, None)
             self._merged.pop(pod, None)
@@ -505,9 +519,34 @@ class Indexer:
         return self.pool.completeness(pod)
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued on the write path so far (including the
-        replay from seq 0 asked once connected to engines: see :meth:`wait_connected`) is applied. False on timeout."""
-        return self.pool.flush(timeout)
+        """Wait until the index holds what the engines published before this call; False if not within ``timeout`` s.
+
+        Guarantee: for every engine DP rank with a replay endpoint (configured,
+        added, or bind mode's ``bind_replay``), the engine is asked for the
+        newest seq it has published (vLLM's replay protocol); True means the
+        pool has applied that batch or a later one of the same engine process
+        (the engine still holds the pool's last applied batch), after
+        everything already queued (a stream that stops short, its last
+        message lost on the way, is looked up in the engine's buffer).
+        Engines without a replay endpoint are covered only as far as the
+        subscriber has received their messages.  False on timeout, and when a replay endpoint does not answer within
+        ``kv_events_config.replay_timeout`` (logged as a warning); see
+        :meth:`flush_report` for which engine held it up.
+        """
+        return self.flush_report(timeout).ok
+
+    def flush_report(self, timeout: float = 10.0) -> FlushReport:
+        """:meth:`flush`, answering per engine DP rank: caught up, behind, unreachable or unverified.
+
+        Raises RuntimeError when the indexer is not started.
+        """
+        with self._lock:
+            engines = list(self._engines.values())
+        ev = self.config.kv_events_config
+        return flush_engines(
+            self.pool, engines, bind_replay=ev.bind_replay, bind_engine=ev.engine, default_model=self.config.model_name,
+            timeout=timeout, replay_timeout=ev.replay_timeout,
+        )
 
     def wait_for(self, messages: int, timeout: float = 10.0) -> bool:
         """Wait until the subscriber has received ``messages`` in total and the pool applied them.
