@@ -21,7 +21,7 @@ import zmq
 from kvevents.events import EventBatch
 from kvevents.messages import Source, StoreObserver, _as_batch, _Bootstrap
 from kvevents.replay import ReplayClient, ReplayCut
-from kvevents.sequencer import Action
+from kvevents.sequencer import Action, backoff
 from kvevents.stats import RateLimitedLog, StreamKey, _Counters, _Stream
 from kvevents.wire import PayloadError, decode_seq, parse_topic
 from kvindex.protocol import IndexUnavailable, KVIndex
@@ -216,7 +216,7 @@ class _Recovery:
         pool = self.pool
         if failures >= pool.replay_retries:
             return
-        delay = min(pool.replay_retry_delay * 2.0**failures, pool.replay_retry_max_delay)
+        delay = backoff(pool.replay_retry_delay, failures, pool.replay_retry_max_delay)
         self.boot_at.append((time.monotonic() + delay, failures + 1, item))
 
     def _boot_retries(self) -> None:
@@ -251,7 +251,7 @@ class _Recovery:
         if done >= pool.rejoin_checks or item.source.replay_endpoint(item.pod, item.dp_rank) is None:
             self.rejoin.pop((item.pod, item.dp_rank), None)
             return
-        when = time.monotonic() + pool.rejoin_check_delay * 2.0**done
+        when = time.monotonic() + backoff(pool.rejoin_check_delay, done)
         self.rejoin[(item.pod, item.dp_rank)] = (when, done + 1, item)
 
     def _rejoin_checks(self) -> None:

@@ -156,6 +156,7 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -168,6 +169,7 @@ __all__ = [
     "Count",
     "Replay",
     "Sequencer",
+    "backoff",
 ]
 
 
@@ -230,6 +232,11 @@ class Complete(NamedTuple):
 
 
 Action = Apply | Clear | Replay | Confirm | Count | Complete
+
+
+def backoff(base: float, n: int, cap: float = math.inf) -> float:
+    """Seconds to wait after ``n`` doublings: ``base * 2**n``, at most ``cap``."""
+    return min(cap, base * 2.0**n)
 
 
 class Sequencer:
@@ -401,7 +408,7 @@ class Sequencer:
 
     def retry_delay(self, base: float, cap: float) -> float:
         """Seconds to wait before the pending :meth:`retry`: ``base`` doubled per failure in a row, at most ``cap``."""
-        return min(cap, base * 2.0 ** max(0, min(self.retry_attempts - 1, 60)))
+        return backoff(base, max(0, min(self.retry_attempts - 1, 60)), cap)
 
     @property
     def hole_pending(self) -> bool:
