@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
+from kvevents.actions import Batch
 from kvevents.events import AllBlocksCleared, BlockStored, EventBatch
-from kvevents.sequencer import Batch
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import decode_vllm_batch
 

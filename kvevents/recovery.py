@@ -18,10 +18,11 @@ from typing import Protocol
 
 import zmq
 
+from kvevents.actions import Action
 from kvevents.events import EventBatch
 from kvevents.messages import Source, StoreObserver, _as_batch, _Bootstrap
 from kvevents.replay import ReplayClient, ReplayCut
-from kvevents.sequencer import Action, backoff
+from kvevents.sequencer import backoff
 from kvevents.stats import RateLimitedLog, StreamKey, _Counters, _Stream
 from kvevents.wire import PayloadError, decode_seq, parse_topic
 from kvindex.protocol import IndexUnavailable, KVIndex

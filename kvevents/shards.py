@@ -16,13 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvevents.actions import Action, Apply, Clear, Complete, Confirm, Count, Replay
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvevents.messages import (
     _STOP, DECODERS, RawMessage, Source, StoreObserver, _as_batch, _Bootstrap, _Disconnected, _Dropped,
     _Flush, _Forget, _Reconnected,
 )
 from kvevents.recovery import ShardHost, _Recovery
-from kvevents.sequencer import Action, Apply, Clear, Complete, Confirm, Count, Replay
 from kvevents.stats import StreamKey, _Counters, _Stream
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq
 from kvindex.index import ApplyResult, apply_each
