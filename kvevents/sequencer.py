@@ -156,7 +156,11 @@ vllm/distributed/kv_events.py ``ZmqEventPublisher``, vLLM 0.32):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import math
+
+# the action types (kvevents.actions) are importable from here as before
+from kvevents.actions import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay
+from kvevents.seqstate import _SequencerState
 
 __all__ = [
     "Action",
@@ -168,71 +172,16 @@ __all__ = [
     "Count",
     "Replay",
     "Sequencer",
+    "backoff",
 ]
 
 
-class Batch(NamedTuple):
-    """One decoded batch as the sequencer sees it.
-
-    seq: the engine's sequence number (0 .. 2**64 - 2).
-    ts: the engine's wall-clock timestamp (only compared for equality).
-    resets: the batch carries AllBlocksCleared (the engine state is known after it).
-    lossy: one of its events could not be decoded (the state is no longer exact).
-    body: opaque for the sequencer (the pool's decoded batch), returned in :class:`Apply`.
-    """
-
-    seq: int
-    ts: float
-    resets: bool = False
-    lossy: bool = False
-    body: Any = None
+def backoff(base: float, n: int, cap: float = math.inf) -> float:
+    """Seconds to wait after ``n`` doublings: ``base * 2**n``, at most ``cap``."""
+    return min(cap, base * 2.0**n)
 
 
-class Apply(NamedTuple):
-    """Apply ``batch`` to the index (``replayed``: it came from a replay)."""
-
-    batch: Batch
-    replayed: bool = False
-
-
-class Clear(NamedTuple):
-    """Forget every block of the stream in the index (why: a label for logs)."""
-
-    why: str
-
-
-class Replay(NamedTuple):
-    """Ask the replay endpoint for every buffered batch with seq >= ``start``."""
-
-    start: int
-
-
-class Confirm(NamedTuple):
-    """Ask the replay endpoint for the batch at ``seq``; answer with :meth:`Sequencer.confirmed`
-    whether it is there with engine timestamp ``ts`` (the batch we applied at ``seq``)."""
-
-    seq: int
-    ts: float | None
-
-
-class Count(NamedTuple):
-    """Add ``n`` to the counter ``name`` (a :class:`kvevents.pool.PoolStats` field)."""
-
-    name: str
-    n: int = 1
-
-
-class Complete(NamedTuple):
-    """The stream's completeness changed to ``complete`` (``why``: what made it so)."""
-
-    complete: bool
-    why: str
-
-
-Action = Apply | Clear | Replay | Confirm | Count | Complete
-
-
-class Sequencer:
+class Sequencer(_SequencerState):
     """Sequence state of one publisher stream (pod, model, DP rank).
 
     Args:
@@ -244,14 +193,7 @@ class Sequencer:
     ``confirmed``) before giving this sequencer any other input.
     """
 
-    __slots__ = (
-        "has_replay", "last", "last_ts", "exact", "lost", "suspect", "complete",
-        "_replayed", "_replay_max", "_holes", "_candidate", "_pending", "_op",
-        "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
-        "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
-        "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_recent", "_r_bad", "_held",
-        "_mark",
-    )
+    __slots__ = ()
 
     #: replays in a row that end at the same hole (no batch applied) before it is taken as lost
     MAX_HOLE_RETRIES = 3
@@ -259,140 +201,8 @@ class Sequencer:
     #: replayed-batch timestamps kept to recognise duplicates (bounded)
     MAX_REMEMBERED = 50_000
 
-    #: applied batches (live or replayed) whose timestamps are kept to judge a backward message
-    RECENT = 64
-
     #: the replay ops whose failure (nothing applied) is retried with backoff
     RETRIED_OPS = ("gap", "fresh", "bootstrap", "resync", "restart")
-
-    def __init__(self, has_replay: bool, max_retries: int = 10) -> None:
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.has_replay = has_replay
-        self.max_retries = max_retries  # retries of a replay that failed without applying anything
-        self.retry_attempts = 0  # replays in a row that failed without applying anything
-        self._retry: str | None = None  # the op of the replay to ask again (see ``retry``)
-        self._gave_up = False  # the retries ran out: failures are not retried until the endpoint answers
-        self._check_due = False  # a reconnect check failed: nothing applies before the retry checks the process
-        self.last: int | None = None  # last applied seq
-        self.last_ts: float | None = None
-        self.exact = False  # applied state == engine state as of ``last``
-        self.lost = False  # messages after ``last`` may have been lost
-        self.suspect = False  # the connection dropped and no check since has found the process we know
-        # (seq, ts) of the last batch applied before the connection dropped, until a check after the
-        # reconnect finds it in the engine's buffer: what was applied since may be another process's
-        self._mark: tuple[int, float | None] | None = None
-        self.complete = False
-        self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
-        self._recent: dict[int, float] = {}  # seq -> ts of the last RECENT batches applied (live or replayed)
-        self._replay_max = -1
-        self._holes: list[tuple[int, int]] = []  # seq ranges a replay could not deliver
-        self._candidate: tuple[str, Batch] | None = None  # ("back" | "fwd", batch) awaiting confirmation
-        self._pending: Batch | None = None  # the live batch waiting for a replay / check
-        self._op: str | None = None  # what the outstanding Replay / Confirm is for
-        self._r_start = 0
-        self._r_first: int | None = None
-        self._r_count = 0
-        self._r_cleared = False
-        self._resync_due = False
-        self._r_verify: tuple[int, float | None] | None = None  # (seq, ts) the replay's first batch must be
-        self._r_restart = False
-        self._r_hole = False  # the replay in progress skipped a seq after reaching back far enough
-        self._r_bad: int | None = None  # the replay in progress's newest unreadable batch's seq
-        self._r_retries = 0  # replays in a row asked again for a hole without progress
-        self._r_last0: int | None = None  # ``last`` when the replay in progress was asked
-        self._held: Batch | None = None  # the unchecked message the pending batch continued (see replay_end)
-        self.broken = False  # the index failed to take a write of this stream since its last rebuild
-        self._rebuild_due = False
-
-    # ------------------------------------------------------------ helpers
-
-    def _set_complete(self, out: list[Action], why: str) -> None:
-        # a backward candidate is a possible restart nobody could check yet: the engine may hold
-        # nothing of what we hold, so the stream is not reported complete while it waits
-        c = self.exact and not self.lost and not self.broken and (self._candidate is None or self._candidate[0] != "back")
-        if c != self.complete:
-            self.complete = c
-            out.append(Complete(c, why))
-
-    def _apply(self, out: list[Action], b: Batch, replayed: bool = False) -> None:
-        self.last = b.seq
-        self.last_ts = b.ts
-        recent = self._recent
-        recent.pop(b.seq, None)
-        recent[b.seq] = b.ts
-        if len(recent) > self.RECENT:
-            del recent[next(iter(recent))]
-        if b.resets:
-            self.exact = True  # AllBlocksCleared: the engine's state is known from here
-        if b.lossy:
-            self.exact = False
-        out.append(Apply(b, replayed))
-
-    def _clear(self, out: list[Action], why: str) -> None:
-        out.append(Clear(why))
-        self._check_due = False
-        self.last = self.last_ts = None
-        self.suspect = False  # nothing applied is left for a reconnect to check
-        self._mark = None
-        self._replayed.clear()
-        self._recent.clear()
-        self._replay_max = -1
-        self._holes.clear()
-        self.exact = False
-
-    def _known(self) -> tuple[int, float | None]:
-        """(seq, ts) of the batch a check asks the engine for: the last one applied before the
-        connection dropped while no check has found it since, else the last one applied."""
-        if self._mark is not None:
-            return self._mark
-        return self.last, self.last_ts  # type: ignore[return-value]
-
-    def _start_replay(self, out: list[Action], op: str, start: int) -> list[Action]:
-        self._op = op
-        self._retry = None  # this replay stands for any retry that was due
-        self._r_verify = None
-        self._r_restart = False
-        self._r_bad = None
-        if self.last is not None and start == self.last + 1:
-            # ask from our last batch too: the same process still has it with the same timestamp,
-            # so a restart whose new seqs passed ours is caught here (after a disconnect, from our
-            # last batch before it: see ``_known``)
-            self._r_verify = self._known()
-            start = self._r_verify[0]
-        self._r_start = start
-        self._r_last0 = self.last
-        self._r_first = None
-        self._r_count = 0
-        self._r_cleared = False
-        out.append(Count("replay_requests"))
-        out.append(Replay(start))
-        return out
-
-    def _hold(self, out: list[Action], kind: str, b: Batch) -> None:
-        """Hold ``b`` as the candidate the stream's next message must continue.
-
-        A backward message whose engine time is not later than our last batch's is no new
-        process (its clock would be later): it is dropped.  Of two unconfirmed messages the
-        one with the later engine time is kept (an older one is a stale or foreign message,
-        or an older process's).
-        """
-        if kind == "back" and self.last_ts is not None and b.ts <= self.last_ts:
-            out.append(Count("unconfirmed"))
-            return
-        if self._candidate is not None and self._candidate[1].ts > b.ts:
-            out.append(Count("unconfirmed"))
-            return
-        self._candidate = (kind, b)
-        self._set_complete(out, "a backward seq awaits its confirmation" if kind == "back" else "a gap awaits its next message")
-
-    def _in_hole(self, seq: int) -> bool:
-        return any(lo <= seq <= hi for lo, hi in self._holes)
-
-    def _forget_passed(self, seq: int) -> None:
-        if seq > self._replay_max:
-            self._replayed.clear()
-            self._holes.clear()
 
     @property
     def retry_pending(self) -> bool:
@@ -401,7 +211,7 @@ class Sequencer:
 
     def retry_delay(self, base: float, cap: float) -> float:
         """Seconds to wait before the pending :meth:`retry`: ``base`` doubled per failure in a row, at most ``cap``."""
-        return min(cap, base * 2.0 ** max(0, min(self.retry_attempts - 1, 60)))
+        return backoff(base, max(0, min(self.retry_attempts - 1, 60)), cap)
 
     @property
     def hole_pending(self) -> bool:
@@ -420,125 +230,24 @@ class Sequencer:
         out: list[Action] = []
         if b is None:
             return out
-        cand = self._candidate
-        if cand is not None:
-            kind, cb = cand
-            if self._recent.get(b.seq) == b.ts:
-                # a copy of a batch we applied (delivered again late): it says nothing about the
-                # candidate, which still waits for its successor
-                out.append(Count("duplicates"))
-                return out
-            if b.seq == cb.seq + 1 and b.ts >= cb.ts:
-                self._candidate = None
-                if kind == "back" and self.has_replay:
-                    # the endpoint could not be asked when the candidate came; it is the authority:
-                    # rebuild from the new process's buffer (the candidate itself may be a still
-                    # older process's first batch when this one's was lost)
-                    out.append(Count("restarts"))
-                    self._clear(out, f"restart: seq {cb.seq}, {b.seq} after {self.last}")
-                    self.lost = True
-                    self._set_complete(out, "restart")
-                    self._pending = b
-                    return self._start_replay(out, "restart", 0)
-                if kind == "back":
-                    out.append(Count("restarts"))
-                    self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
-                    self._apply(out, cb)
-                    self.exact = cb.seq == 0 or cb.resets
-                elif self.has_replay and (self.last is None or cb.seq > self.last + 1):
-                    # a start or a gap nobody could check (the endpoint did not answer): ask it once
-                    # more, it rebuilds or fills the stream from its buffer; if it does not answer,
-                    # replay_end goes on without it
-                    self._pending = b
-                    self._held = cb
-                    if self.last is None:
-                        return self._start_replay(out, "fresh", 0)
-                    return self._start_replay(out, "gap", self.last + 1)
-                elif self.last is None and cb.seq == 0:
-                    self.exact = True  # a stream starting at seq 0, confirmed by its next message
-                    self._apply(out, cb)
-                else:
-                    out.append(Count("gaps_unrecovered"))
-                    self.exact = False
-                    self._apply(out, cb)
-                self.lost = False
-                self._apply(out, b)
-                self._set_complete(out, "restart" if kind == "back" else "unrecovered gap")
-                return out
-            if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
-                out.append(Count("duplicates"))
-                return out  # the same message again
-            if (
-                kind == "back" and self.has_replay and self.last is not None and b.seq == self.last + 1
-                and b.ts > cb.ts
-            ):
-                # our next seq, but newer than the candidate (itself newer than our last batch): the
-                # candidate's process may have reached our seq, its batches between lost; the
-                # engine's buffer decides (a replay from our last batch checks the process)
-                self._candidate = None
-                out.append(Count("unconfirmed"))
-                self._pending = b
-                return self._start_replay(out, "gap", self.last + 1)
-            if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
-                # our sequence continues (the candidate was not the engine's), or another message
-                # with the candidate's seq: a still newer process starting over, judged below as a
-                # backward message of its own
-                self._candidate = None
-                out.append(Count("unconfirmed"))
-        if self._retry is not None and (
-            self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
-                self._check_due or self._resync_due or self._retry == "resync"
-                or self.last_ts is not None and b.ts < self.last_ts
-            )
-        ):
+        if self._candidate is not None:
+            decided = self._live_with_candidate(out, b)
+            if decided is not None:
+                return decided
+        if self._waits_for_retry(b):
             # a replay this message needs failed and is asked again later (``retry``): the engine's
             # buffer holds this message too, so it waits there rather than being applied past a hole
             out.append(Count("deferred"))
             return out
-        if self.suspect and self.last is not None:
+        if self.suspect and self.last is not None and b.seq != self.last + 1:
             # our sequence continuing (what the dropped connection still delivered, or a blip) is
             # applied below; the reconnect checks the process all the same, against our last batch
             # from before the drop: a restarted engine's batch can continue our seq too
-            if b.seq != self.last + 1:
-                self.suspect = False
-                self._pending = b
-                if not self.has_replay:
-                    # cannot tell a restart from a blip: forget, then take this message as a fresh start
-                    self._pending = None
-                    out.append(Count("restarts"))
-                    self._clear(out, f"seq {b.seq} after {self.last} following a disconnect; no replay endpoint")
-                    return out + self._fresh(b)
-                self._op = "confirm-live"
-                out.append(Count("replay_requests"))
-                out.append(Confirm(*self._known()))
-                return out
+            return self._live_after_disconnect(out, b)
         if self.last is None:
             return out + self._fresh(b)
         if b.seq == self.last + 1:
-            if self.has_replay and self.last_ts is not None and b.ts < self.last_ts:
-                # the next seq with an older engine time: a previous process's message still
-                # queued after we moved to its successor (whose buffer is asked instead)
-                self._pending = b
-                return self._start_replay(out, "gap", self.last + 1)
-            if self.has_replay and self._resync_due:
-                # a message of this pod was dropped since our last batch: the dropped ones may
-                # have been a restarted engine's first batches, and this one its next, so the
-                # next seq proves nothing.  Resync now (from our last batch, which the same
-                # process still holds), not at the next idle moment, which would verify
-                # against the new process's own batch once this one were applied.
-                self._resync_due = False
-                out.append(Count("resyncs"))
-                self._pending = b
-                return self._start_replay(out, "resync", self.last + 1)
-            if self.lost and self._gave_up:
-                # applied past a possible loss nobody could check (the endpoint was given up): a
-                # restart whose first batches were lost goes unseen, and a later replay from our
-                # last batch cannot tell, so the stream no longer claims to be exact
-                self.exact = False
-            self._apply(out, b)
-            self._forget_passed(b.seq)
-            self._set_complete(out, "in sequence")
-            return out
+            return self._live_next(out, b)
         if b.seq <= self.last:
             return out + self._backward(b)
         # a gap
@@ -547,6 +256,130 @@ class Sequencer:
             self._pending = b
             return self._start_replay(out, "gap", self.last + 1)
         self._hold(out, "fwd", b)
+        return out
+
+    def _live_with_candidate(self, out: list[Action], b: Batch) -> list[Action] | None:
+        """A live message while a candidate is held: the actions when it settles the message, else
+        None (the candidate may have been dropped) and :meth:`live` goes on with it."""
+        kind, cb = self._candidate  # type: ignore[misc]
+        if self._recent.get(b.seq) == b.ts:
+            # a copy of a batch we applied (delivered again late): it says nothing about the
+            # candidate, which still waits for its successor
+            out.append(Count("duplicates"))
+            return out
+        if b.seq == cb.seq + 1 and b.ts >= cb.ts:
+            return self._candidate_continued(out, kind, cb, b)
+        if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
+            out.append(Count("duplicates"))
+            return out  # the same message again
+        if (
+            kind == "back" and self.has_replay and self.last is not None and b.seq == self.last + 1
+            and b.ts > cb.ts
+        ):
+            # our next seq, but newer than the candidate (itself newer than our last batch): the
+            # candidate's process may have reached our seq, its batches between lost; the
+            # engine's buffer decides (a replay from our last batch checks the process)
+            self._candidate = None
+            out.append(Count("unconfirmed"))
+            self._pending = b
+            return self._start_replay(out, "gap", self.last + 1)
+        if self.last is not None and b.seq == self.last + 1 or kind == "back" and b.seq == cb.seq:
+            # our sequence continues (the candidate was not the engine's), or another message
+            # with the candidate's seq: a still newer process starting over, judged below as a
+            # backward message of its own
+            self._candidate = None
+            out.append(Count("unconfirmed"))
+        return None
+
+    def _candidate_continued(self, out: list[Action], kind: str, cb: Batch, b: Batch) -> list[Action]:
+        """``b`` continues the held candidate ``cb`` (its seq + 1, not older): the candidate is decided."""
+        self._candidate = None
+        if kind == "back" and self.has_replay:
+            # the endpoint could not be asked when the candidate came; it is the authority:
+            # rebuild from the new process's buffer (the candidate itself may be a still
+            # older process's first batch when this one's was lost)
+            out.append(Count("restarts"))
+            self._clear(out, f"restart: seq {cb.seq}, {b.seq} after {self.last}")
+            self.lost = True
+            self._set_complete(out, "restart")
+            self._pending = b
+            return self._start_replay(out, "restart", 0)
+        if kind == "back":
+            out.append(Count("restarts"))
+            self._clear(out, f"restart confirmed: seq {cb.seq}, {b.seq} after {self.last}")
+            self._apply(out, cb)
+            self.exact = cb.seq == 0 or cb.resets
+        elif self.has_replay and (self.last is None or cb.seq > self.last + 1):
+            # a start or a gap nobody could check (the endpoint did not answer): ask it once
+            # more, it rebuilds or fills the stream from its buffer; if it does not answer,
+            # replay_end goes on without it
+            self._pending = b
+            self._held = cb
+            if self.last is None:
+                return self._start_replay(out, "fresh", 0)
+            return self._start_replay(out, "gap", self.last + 1)
+        elif self.last is None and cb.seq == 0:
+            self.exact = True  # a stream starting at seq 0, confirmed by its next message
+            self._apply(out, cb)
+        else:
+            out.append(Count("gaps_unrecovered"))
+            self.exact = False
+            self._apply(out, cb)
+        self.lost = False
+        self._apply(out, b)
+        self._set_complete(out, "restart" if kind == "back" else "unrecovered gap")
+        return out
+
+    def _waits_for_retry(self, b: Batch) -> bool:
+        """A failed replay is to be asked again and ``b`` needs it (past a gap, a stream's first, or
+        the next seq while a check, a resync or an older engine time is in question)."""
+        return self._retry is not None and (
+            self.last is None or b.seq > self.last + 1 or b.seq == self.last + 1 and (
+                self._check_due or self._resync_due or self._retry == "resync"
+                or self.last_ts is not None and b.ts < self.last_ts
+            )
+        )
+
+    def _live_after_disconnect(self, out: list[Action], b: Batch) -> list[Action]:
+        """A live message after a disconnect that does not continue our sequence: check the process."""
+        self.suspect = False
+        self._pending = b
+        if not self.has_replay:
+            # cannot tell a restart from a blip: forget, then take this message as a fresh start
+            self._pending = None
+            out.append(Count("restarts"))
+            self._clear(out, f"seq {b.seq} after {self.last} following a disconnect; no replay endpoint")
+            return out + self._fresh(b)
+        self._op = "confirm-live"
+        out.append(Count("replay_requests"))
+        out.append(Confirm(*self._known()))
+        return out
+
+    def _live_next(self, out: list[Action], b: Batch) -> list[Action]:
+        """A live message with our next seq (``last`` + 1)."""
+        if self.has_replay and self.last_ts is not None and b.ts < self.last_ts:
+            # the next seq with an older engine time: a previous process's message still
+            # queued after we moved to its successor (whose buffer is asked instead)
+            self._pending = b
+            return self._start_replay(out, "gap", self.last + 1)  # type: ignore[operator]
+        if self.has_replay and self._resync_due:
+            # a message of this pod was dropped since our last batch: the dropped ones may
+            # have been a restarted engine's first batches, and this one its next, so the
+            # next seq proves nothing.  Resync now (from our last batch, which the same
+            # process still holds), not at the next idle moment, which would verify
+            # against the new process's own batch once this one were applied.
+            self._resync_due = False
+            out.append(Count("resyncs"))
+            self._pending = b
+            return self._start_replay(out, "resync", self.last + 1)  # type: ignore[operator]
+        if self.lost and self._gave_up:
+            # applied past a possible loss nobody could check (the endpoint was given up): a
+            # restart whose first batches were lost goes unseen, and a later replay from our
+            # last batch cannot tell, so the stream no longer claims to be exact
+            self.exact = False
+        self._apply(out, b)
+        self._forget_passed(b.seq)
+        self._set_complete(out, "in sequence")
         return out
 
     def _fresh(self, b: Batch) -> list[Action]:
@@ -678,6 +511,34 @@ class Sequencer:
             self._r_restart = False
             return self._start_replay(out, "restart", 0)  # keeps the pending batch
         bad_tail = ok and self._r_bad is not None and (self.last is None or self._r_bad > self.last)
+        progressed = self.last is not None and self.last != self._r_last0
+        again = self._replay_again(out, ok, cut, bad_tail, progressed)
+        if again is not None:
+            return again
+        self._r_retries = 0
+        op, self._op = self._op, None
+        if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
+            # the engine holds nothing from our last batch on: a new process whose seqs are
+            # still below ours (the pending message, if any, is judged after its rebuild)
+            out.append(Count("restarts"))
+            self._clear(out, "the engine's buffer no longer has our last batch nor anything after it")
+            return self._start_replay(out, "restart", 0)
+        pending, self._pending = self._pending, None
+        held, self._held = self._held, None
+        hold = self._replay_outcome(out, ok, op, progressed, bad_tail)
+        if pending is not None and hold and (self.last is None or pending.seq > self.last):
+            out.append(Count("deferred"))  # the retry fetches it from the engine's buffer
+            pending = None
+        if pending is not None:
+            self._settle_pending(out, ok, pending, held)
+        self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
+        return out
+
+    def _replay_again(
+        self, out: list[Action], ok: bool, cut: bool, bad_tail: bool, progressed: bool
+    ) -> list[Action] | None:
+        """The ended replay is asked again at once (a hole, a cut after progress, a lost tail): its
+        actions; else None."""
         if bad_tail and self.last is not None and not self._r_hole and self._r_retries < self.MAX_HOLE_RETRIES:
             # the newest batches the engine replayed were unreadable and nothing after them came: a
             # hole at the end, asked again from the first missing seq like one in the middle
@@ -687,7 +548,6 @@ class Sequencer:
             self._r_hole = False
             self._r_retries = 0 if self.last != self._r_last0 else self._r_retries + 1
             return self._start_replay(out, self._op or "gap", self.last + 1)  # type: ignore[operator]
-        progressed = self.last is not None and self.last != self._r_last0
         if cut and progressed and self._op in self.RETRIED_OPS and self.last < 2**64 - 2:  # type: ignore[operator]
             # the endpoint holds more than one replay may read: the rest, from the first missing seq
             self._r_retries = 0
@@ -706,17 +566,12 @@ class Sequencer:
             self._r_retries = 0
             self.retry_attempts = 0
             return self._start_replay(out, self._op, self.last + 1)  # type: ignore[arg-type, operator]
-        self._r_retries = 0
-        op, self._op = self._op, None
+        return None
+
+    def _replay_outcome(self, out: list[Action], ok: bool, op: str | None, progressed: bool, bad_tail: bool) -> bool:
+        """Take the ended replay's outcome (the stream's loss and retry state); True when it failed
+        without applying anything and is to be asked again (the stream waits at ``last``)."""
         hold = False  # a failure that applied nothing, asked again later: the stream waits at ``last``
-        if ok and self._r_count == 0 and self.last is not None and self._r_verify is not None:
-            # the engine holds nothing from our last batch on: a new process whose seqs are
-            # still below ours (the pending message, if any, is judged after its rebuild)
-            out.append(Count("restarts"))
-            self._clear(out, "the engine's buffer no longer has our last batch nor anything after it")
-            return self._start_replay(out, "restart", 0)
-        pending, self._pending = self._pending, None
-        held, self._held = self._held, None
         if ok:
             self.lost = False  # we now have everything the engine published up to its newest batch
             self.retry_attempts = 0
@@ -745,45 +600,44 @@ class Sequencer:
             if not hold and op in ("gap", "fresh"):
                 out.append(Count("gaps_unrecovered"))
                 self.exact = False
-        if pending is not None and hold and (self.last is None or pending.seq > self.last):
-            out.append(Count("deferred"))  # the retry fetches it from the engine's buffer
-            pending = None
-        if pending is not None:
-            if self.last is None:
-                if ok:
-                    # the engine's buffer is empty: it has not published this message (vLLM
-                    # buffers a batch as it publishes it); its next message starts the stream
-                    out.append(Count("unconfirmed"))
-                elif held is not None:
-                    # a start: only the continuing message is applied (joined late), never the
-                    # unchecked one before it, which may be a message no process published
-                    out.append(Count("unconfirmed"))
-                    self.exact = False
-                    self._apply(out, pending)
-                else:
-                    self._hold(out, "fwd", pending)  # could not ask: the next message must continue it
-            elif pending.seq <= self.last:
-                if self._replayed.get(pending.seq) == pending.ts:
-                    out.append(Count("duplicates"))
-                else:
-                    out.append(Count("stale" if self._in_hole(pending.seq) else "unconfirmed"))
-            elif pending.seq == self.last + 1:
-                if ok and self.last_ts is not None and pending.ts < self.last_ts:
-                    out.append(Count("unconfirmed"))  # older than the batch before it: not this process's
-                else:
-                    self._apply(out, pending)
-            elif ok and self._r_count > 0:
-                out.append(Count("unconfirmed"))  # beyond the engine's newest batch
-            elif not ok and held is not None and held.seq > self.last and held.seq + 1 == pending.seq:
-                # the gap's two messages, as without an endpoint (the failure counted the gap)
+        return hold
+
+    def _settle_pending(self, out: list[Action], ok: bool, pending: Batch, held: Batch | None) -> None:
+        """Judge the live message that waited for the ended replay (``held``: the unchecked one it
+        continued)."""
+        if self.last is None:
+            if ok:
+                # the engine's buffer is empty: it has not published this message (vLLM
+                # buffers a batch as it publishes it); its next message starts the stream
+                out.append(Count("unconfirmed"))
+            elif held is not None:
+                # a start: only the continuing message is applied (joined late), never the
+                # unchecked one before it, which may be a message no process published
+                out.append(Count("unconfirmed"))
                 self.exact = False
-                self._apply(out, held)
                 self._apply(out, pending)
             else:
-                # no buffer to check against (or the check failed): the next message decides
-                self._hold(out, "fwd", pending)
-        self._set_complete(out, f"replay ({op}) {'ended' if ok else 'failed'}")
-        return out
+                self._hold(out, "fwd", pending)  # could not ask: the next message must continue it
+        elif pending.seq <= self.last:
+            if self._replayed.get(pending.seq) == pending.ts:
+                out.append(Count("duplicates"))
+            else:
+                out.append(Count("stale" if self._in_hole(pending.seq) else "unconfirmed"))
+        elif pending.seq == self.last + 1:
+            if ok and self.last_ts is not None and pending.ts < self.last_ts:
+                out.append(Count("unconfirmed"))  # older than the batch before it: not this process's
+            else:
+                self._apply(out, pending)
+        elif ok and self._r_count > 0:
+            out.append(Count("unconfirmed"))  # beyond the engine's newest batch
+        elif not ok and held is not None and held.seq > self.last and held.seq + 1 == pending.seq:
+            # the gap's two messages, as without an endpoint (the failure counted the gap)
+            self.exact = False
+            self._apply(out, held)
+            self._apply(out, pending)
+        else:
+            # no buffer to check against (or the check failed): the next message decides
+            self._hold(out, "fwd", pending)
 
     def retry(self) -> list[Action]:
         """Ask again the replay that failed without applying anything (when :attr:`retry_pending`).
