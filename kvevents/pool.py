@@ -60,7 +60,7 @@ from kvevents.messages import _Flush, _Forget, _Reconnected
 from kvevents.shards import _Shard
 from kvevents.stats import PoolStats, RateLimitedLog, StreamCounters, StreamState, _Counters
 from kvevents.wire import parse_topic
-from kvindex.protocol import KVIndex
+from kvindex.contract import KVIndex
 
 __all__ = [
     "Source", "RawMessage", "PoolStats", "StreamState", "StreamCounters", "EventPool", "RateLimitedLog", "StoreObserver",
@@ -74,7 +74,7 @@ _TOPIC_CACHE = 4096
 
 
 class EventPool:
-    """N shard workers applying KV-event messages to a :class:`~kvindex.protocol.KVIndex`.
+    """N shard workers applying KV-event messages to a :class:`~kvindex.contract.KVIndex`.
 
     Args:
         index: the index to write.

@@ -25,7 +25,7 @@ from kvevents.replay import ReplayClient, ReplayCut
 from kvevents.sequencer import backoff
 from kvevents.stats import RateLimitedLog, StreamKey, _Counters, _Stream
 from kvevents.wire import PayloadError, decode_seq, parse_topic
-from kvindex.protocol import IndexUnavailable, KVIndex
+from kvindex.contract import IndexUnavailable, KVIndex, SharedStore
 
 __all__ = ["ShardHost"]
 
@@ -78,7 +78,8 @@ class _Recovery:
         # whose subscription (re)joined and that has not been heard from since (see ``_rejoin_checks``)
         self.rejoin: dict[tuple[str, int], tuple[float, int, _Bootstrap]] = {}
         # the index's data generation (a shared store that lost its data bumps it): streams are rebuilt
-        self.index_gen = getattr(pool.index, "generation", 0)
+        self.shared = pool.index if isinstance(pool.index, SharedStore) else None
+        self.index_gen = self.shared.generation if self.shared is not None else 0
         self.replay = ReplayClient(
             pool.zmq_context, timeout=pool.replay_timeout, on_error=self._error, max_batches=pool.replay_max_batches
         )
@@ -143,8 +144,7 @@ class _Recovery:
         key, (t, _n) = min(self.retry_at.items(), key=lambda kv: kv[1][0])
         if t > now:
             return
-        writable = getattr(self.pool.index, "writable", None)
-        if writable is not None and not writable():
+        if self.shared is not None and not self.shared.writable():
             return
         del self.retry_at[key]
         st = self.streams.get(key)
@@ -292,7 +292,7 @@ class _Recovery:
 
     def _index_reset(self) -> None:
         """The index lost its data (e.g. its Redis restarted empty): every stream is rebuilt."""
-        self.index_gen = getattr(self.pool.index, "generation", 0)
+        self.index_gen = self.shared.generation if self.shared is not None else 0
         for st in list(self.streams.values()):
             self._index_failed(st, f"pod {st.pod}: the index lost its data", 0)
 
@@ -301,8 +301,7 @@ class _Recovery:
         self.pool.rlog.warn("index_unavailable", "kvevents: %s", msg)
 
     def _resync(self) -> None:
-        writable = getattr(self.pool.index, "writable", None)
-        if writable is not None and not writable():
+        if self.shared is not None and not self.shared.writable():
             return  # replays and rebuilds wait until the index takes writes again
         for pod in list(self.forget_due):
             try:

@@ -25,8 +25,8 @@ from kvevents.messages import (
 from kvevents.recovery import ShardHost, _Recovery
 from kvevents.stats import StreamKey, _Counters, _Stream
 from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq
-from kvindex.index import ApplyResult, apply_each
-from kvindex.protocol import IndexUnavailable
+from kvindex.contract import ApplyResult, BatchApply, IndexUnavailable
+from kvindex.side_tables import apply_each
 
 log = logging.getLogger("kvevents.pool")  # the pool's logger (one name for the write path's records)
 
@@ -53,6 +53,7 @@ class _Shard(_Recovery):
         self.streams: dict[StreamKey, _Stream] = {}
         self.c = _Counters()
         self.thread: threading.Thread | None = None
+        self.batch_apply = isinstance(pool.index, BatchApply)  # checked once: _apply runs per message
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name=f"kvevents-shard-{self.n}", daemon=True)
@@ -81,7 +82,7 @@ class _Shard(_Recovery):
     def run(self) -> None:
         try:
             while True:
-                if getattr(self.pool.index, "generation", 0) != self.index_gen:
+                if self.shared is not None and self.shared.generation != self.index_gen:
                     self._guarded(self._index_reset)
                 if self.resync:
                     self._guarded(self._note_drops)
@@ -246,7 +247,6 @@ class _Shard(_Recovery):
         c.batches += 1
         c.events += len(batch.events)
         st.batches += 1
-        apply = getattr(index, "apply_events", None)
         observers = self.pool.observers_of(pod, rank, model)
         if observers:
             # observers see the index as it is just before each BlockStored: one event at a time
@@ -259,8 +259,8 @@ class _Shard(_Recovery):
                 if r.unavailable is not None:
                     r.left = len(events) - i
                     break
-        elif apply is not None:  # the whole batch in one call (the compiled index: runs of events natively)
-            r = apply(pod, rank, batch.events, model=model, kinds=_EVENT_KINDS)
+        elif self.batch_apply:  # the whole batch in one call (the compiled index: runs of events natively)
+            r = index.apply_events(pod, rank, batch.events, model=model, kinds=_EVENT_KINDS)  # type: ignore[union-attr]
         else:
             r = apply_each(index, pod, rank, batch.events, model, _EVENT_KINDS)
         c.blocks_stored += r.stored_blocks

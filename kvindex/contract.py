@@ -4,7 +4,7 @@
 (kvevents' pool), the read path (scorer, the facade) and the connector depend
 on.  The optional fast paths a backend may offer are declared as their own
 small Protocols (:class:`BatchApply`, :class:`TokenMatch`,
-:class:`Generational`, :class:`TierStatsSource`) and checked with
+:class:`SharedStore`, :class:`TierStatsSource`) and checked with
 ``isinstance``, never probed by name.  The result and stats types and
 :exc:`IndexUnavailable` live here so that the backends (reference, compiled,
 Redis) import only this module and :mod:`kvindex.side_tables`.
@@ -28,9 +28,9 @@ RequestKeys: TypeAlias = "Sequence[int] | np.ndarray"
 __all__ = [
     "ALL_MODELS",
     "RequestKeys",
+    "SharedStore",
     "ApplyResult",
     "BatchApply",
-    "Generational",
     "IndexStats",
     "IndexUnavailable",
     "KVIndex",
@@ -77,7 +77,7 @@ class ApplyResult(msgspec.Struct):
         errors: one message per event refused (ValueError / TypeError of the
             per-event call); the batch's other events are applied, in order.
         unavailable: the message of the
-            :class:`~kvindex.protocol.IndexUnavailable` that stopped the batch
+            :class:`~kvindex.contract.IndexUnavailable` that stopped the batch
             (a backend whose store is out of reach), else None.
         left: events not applied because of it (that one and the rest).
         stored_by_tier, removed_by_tier: tier -> blocks carried by the
@@ -246,15 +246,17 @@ class TokenMatch(Protocol):
 
 
 @runtime_checkable
-class Generational(Protocol):
-    """A backend whose store can lose everything at once (Redis flushed or restarted).
+class SharedStore(Protocol):
+    """A backend whose store lives outside the process (Redis): it can be out of reach or lose everything.
 
-    ``generation`` changes when that happened; the pool then rebuilds every
-    stream from the engines' replay buffers.
+    ``writable()``: True when writes go through now.  ``generation``: changes
+    when the store lost its data; the pool then rebuilds every stream from the
+    engines' replay buffers.
     """
 
-    @property
-    def generation(self) -> int: ...
+    generation: int
+
+    def writable(self) -> bool: ...
 
 
 @runtime_checkable

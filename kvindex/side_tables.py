@@ -57,10 +57,10 @@ def apply_each(
     """Apply ``events[start:]`` one call per event (``block_stored`` / ``block_removed`` / ``clear``).
 
     The reference semantics of :meth:`KVBlockIndex.apply_events`, for any
-    index of the :class:`kvindex.protocol.KVIndex` shape.  ``kinds`` are the
+    index of the :class:`kvindex.contract.KVIndex` shape.  ``kinds`` are the
     (BlockStored, BlockRemoved, AllBlocksCleared) event classes
     (kvevents.events); events of another type are ignored.  An
-    :class:`~kvindex.protocol.IndexUnavailable` stops the batch there (see
+    :class:`~kvindex.contract.IndexUnavailable` stops the batch there (see
     :attr:`ApplyResult.unavailable`).
     """
     stored_t, removed_t, cleared_t = kinds
