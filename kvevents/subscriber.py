@@ -43,7 +43,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.pool import EventPool, RawMessage, Source
 
-__all__ = ["EngineEndpoint", "Subscriber", "offset_port"]
+__all__ = ["EngineEndpoint", "Subscriber", "offset_port", "endpoint_problem", "check_endpoint", "check_engine"]
 
 log = logging.getLogger("kvevents.subscriber")
 
@@ -88,6 +88,65 @@ class EngineEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
             for r in range(self.dp_size)
         ]
+
+
+ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def endpoint_problem(endpoint: object, *, bind: bool = False) -> str | None:
+    """What is wrong with a ZMQ endpoint, or None when it is usable.
+
+    Accepted: ``tcp://host:port`` (host a name, an IPv4 address or a
+    bracketed IPv6 one; port 1..65535), ``tcp://*:port`` only where we bind
+    (``bind=True``: a wildcard host cannot be connected to), ``ipc://path``
+    and ``inproc://name``.
+    """
+    if not isinstance(endpoint, str):
+        return f"must be a str, got {type(endpoint).__name__}"
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        hint = f" (e.g. tcp://{endpoint})" if ":" in endpoint else ""
+        return f"{endpoint!r} has no scheme{hint}: use tcp://host:port, ipc://path or inproc://name"
+    if scheme not in ENDPOINT_SCHEMES:
+        return f"{endpoint!r}: unknown scheme {scheme!r} (expected one of {', '.join(ENDPOINT_SCHEMES)})"
+    if not rest:
+        return f"{endpoint!r}: empty address"
+    if scheme != "tcp":
+        return None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"{endpoint!r}: a tcp endpoint needs host:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{endpoint!r}: port {port!r} is not in 1..65535"
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            return f"{endpoint!r}: unbalanced brackets around the IPv6 host"
+    elif ":" in host:
+        return f"{endpoint!r}: put an IPv6 host in brackets, e.g. tcp://[::1]:{port}"
+    if not bind and host in ("*", "[::]"):
+        return f"{endpoint!r}: a wildcard host can only be bound; name the engine's host"
+    if any(c.isspace() or c in "/;" for c in host):
+        return f"{endpoint!r}: invalid host {host!r}"
+    return None
+
+
+def check_endpoint(endpoint: object, field: str, *, bind: bool = False) -> None:
+    """Raise ValueError naming ``field`` when :func:`endpoint_problem` finds one."""
+    problem = endpoint_problem(endpoint, bind=bind)
+    if problem is not None:
+        raise ValueError(f"{field}: {problem}")
+
+
+def check_engine(engine: EngineEndpoint, field: str = "engine") -> None:
+    """Raise ValueError naming ``field``.endpoint / .replay_endpoint when one is not usable."""
+    check_endpoint(engine.endpoint, f"{field}.endpoint")
+    if engine.replay_endpoint is not None:
+        check_endpoint(engine.replay_endpoint, f"{field}.replay_endpoint")
+    if engine.dp_size > 1:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(engine, name)
+            if value is not None and not value.startswith("tcp://"):
+                raise ValueError(f"{field}.{name}: dp_size > 1 needs a tcp endpoint (ranks use port + rank)")
 
 
 def offset_port(endpoint: str, offset: int) -> str:
@@ -207,6 +266,9 @@ class Subscriber:
     def add_engine(self, engine: EngineEndpoint) -> None:
         """Subscribe to one more engine (takes effect within one poll interval; :meth:`wait_connected`
         waits for it too)."""
+        if not isinstance(engine, EngineEndpoint):
+            raise TypeError(f"add_engine takes an EngineEndpoint, got {type(engine).__name__}")
+        check_engine(engine)
         with self._links_lock:
             self._pending[engine.pod] = engine
         self._commands.put(("add", engine))
