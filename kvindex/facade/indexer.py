@@ -85,6 +85,15 @@ class IndexerStats(msgspec.Struct, frozen=True):
     received_messages: int
 
 
+def _checked_loads(loads: object) -> Mapping[str, LoadSnapshot]:
+    """``loads`` as given to :meth:`Indexer.score`; TypeError unless it maps str to LoadSnapshot."""
+    if not isinstance(loads, Mapping) or not all(
+        isinstance(p, str) and isinstance(v, LoadSnapshot) for p, v in loads.items()
+    ):
+        raise TypeError("loads must map pod ids (str) to LoadSnapshot")
+    return loads
+
+
 class Indexer:
     """KV-cache-aware pod scoring for one fleet of engines.
 
@@ -164,6 +173,8 @@ class Indexer:
         self._merged: dict[str, LoadSnapshot] = {}
         self._empty_prefix: dict[str, PrefixScore] = {}  # pod -> its no-match score (immutable)
         self._lock = threading.Lock()
+        # pods of the configured engines (plus add_engine, minus remove_engine): candidates of every score
+        self._configured_pods: frozenset[str] = frozenset([e.pod for e in ev.engines] + list(ev.bind_replay))
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
         self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
@@ -209,13 +220,16 @@ class Indexer:
         self.stop()
 
     def add_engine(self, engine: EngineEndpoint) -> None:
-        """Subscribe to one more engine while running."""
+        """Subscribe to one more engine while running (its pod is a candidate of every score from now)."""
         self.subscriber.add_engine(engine)
+        with self._lock:
+            self._configured_pods = self._configured_pods | {engine.pod}
 
     def remove_engine(self, pod: str) -> None:
         """Unsubscribe from ``pod`` and forget its blocks and load."""
         self.subscriber.remove_engine(pod)
         with self._lock:
+            self._configured_pods = self._configured_pods - {pod}
             self._loads.pop(pod, None)
             self._in_flight.pop(pod, None)
             self._merged.pop(pod, None)
@@ -318,7 +332,9 @@ class Indexer:
         Args:
             tokens: the prompt's token ids (list or 1-D integer array), as the
                 engine will see them (chat template applied).
-            pods: candidate pods; None = every pod the index or the load table knows.
+            pods: candidate pods; None = every pod the index, the load table
+                or the configuration (engines, ``bind_replay``, :meth:`add_engine`)
+                knows, so an idle configured pod holding nothing is a candidate.
             model, lora: key scope (model defaults to ``config.model_name``).
             block_extra_keys, cache_salt: see kvindex.keys.TokenProcessor.
             loads: load per pod; None = the indexer's own table
@@ -333,45 +349,19 @@ class Indexer:
         """
         t0 = time.perf_counter()
         fast = self._token_match and block_extra_keys is None and not cache_salt
-        if not fast:
-            keys = self.request_keys(
-                tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
-            )
+        keys = None if fast else self.request_keys(
+            tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+        )
         mname = model if model is not None else self.config.model_name
         self._check_model(mname)
-        if loads is None:
-            loads = self.loads()
-        elif not isinstance(loads, Mapping) or not all(
-            isinstance(p, str) and isinstance(v, LoadSnapshot) for p, v in loads.items()
-        ):
-            raise TypeError("loads must map pod ids (str) to LoadSnapshot")
-        if pods is None:
-            candidates = sorted(self.index.pods() | set(loads))
-        else:
-            if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
-                raise TypeError("pods must be a collection of pod ids (str)")
-            candidates = list(dict.fromkeys(pods))
+        loads = self.loads() if loads is None else _checked_loads(loads)
+        candidates = self._candidates(pods, loads)
         ranks: dict[str, int] | None = None
-        if fast:
-            # the compiled read path: keys and every candidate's match in one call, and the DP rank
-            # of each pod whose match one rank holds
-            ranks = {}
-            keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
-                tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
-            prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
-                p: PrefixScore(pod=p) for p in candidates}
+        if keys is None:
+            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora)
         else:
-            matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
-            prefix = prefix_scores_from_matches(
-                matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
-            )
-        choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
-        if choice is not None and prefix[choice.pod].matched_blocks:
-            rank = ranks.get(choice.pod) if ranks else None
-            if rank is None:
-                rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
-            if rank is not None:
-                choice = msgspec.structs.replace(choice, dp_rank=rank)
+            prefix = self._match(keys, candidates)
+        choice = self._choose(prefix, loads, candidates, len(tokens), keys, ranks)
         self.metrics.observe_score(
             time.perf_counter() - t0, prefix[choice.pod].coverage if choice is not None and len(keys) else None
         )
@@ -383,6 +373,51 @@ class Indexer:
             pod=choice.pod if choice is not None else None,
             prompt_tokens=len(tokens),
         )
+
+    def _candidates(self, pods: Collection[str] | None, loads: Mapping[str, LoadSnapshot]) -> list[str]:
+        """The pods to score: as given, or (None) every pod the index, the load table or the
+        configuration knows (a configured engine holding nothing and reporting no load included)."""
+        if pods is None:
+            return sorted(self.index.pods() | set(loads) | self._configured_pods)
+        if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
+            raise TypeError("pods must be a collection of pod ids (str)")
+        return list(dict.fromkeys(pods))
+
+    def _match_fast(
+        self, tokens: Sequence[int] | np.ndarray, candidates: list[str], model: str | None, lora: str | None
+    ) -> tuple[np.ndarray, dict[str, PrefixScore], dict[str, int]]:
+        """The compiled read path: keys, every candidate's match and the DP rank of each pod whose
+        match one rank holds, in one call."""
+        ranks: dict[str, int] = {}
+        keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
+            tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
+        if not len(keys):
+            return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
+        return keys, self._prefix_from_summary(summary, len(keys), candidates), ranks
+
+    def _match(self, keys: np.ndarray, candidates: list[str]) -> dict[str, PrefixScore]:
+        """Every candidate's prefix score from the index's per-pod matches of ``keys``."""
+        matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
+        return prefix_scores_from_matches(
+            matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
+        )
+
+    def _choose(
+        self, prefix: dict[str, PrefixScore], loads: Mapping[str, LoadSnapshot], candidates: list[str],
+        prompt_tokens: int, keys: np.ndarray, ranks: dict[str, int] | None,
+    ) -> Choice | None:
+        """The picker's choice, with the DP rank that holds the chosen pod's match."""
+        if not candidates:
+            return None
+        choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=prompt_tokens)
+        matched = prefix[choice.pod].matched_blocks
+        if matched:
+            rank = ranks.get(choice.pod) if ranks else None
+            if rank is None:
+                rank = self.index.best_dp_rank(choice.pod, keys[:matched])
+            if rank is not None:
+                choice = msgspec.structs.replace(choice, dp_rank=rank)
+        return choice
 
     def _bit_weights(self) -> list[float]:
         """Tier weight per tier bit (registry order), for the compiled read path."""
