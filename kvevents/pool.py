@@ -56,6 +56,7 @@ import xxhash
 import zmq
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvevents.misconfig import ConfigCheck, StreamCheck
 from kvevents.replay import ReplayClient, ReplayCut
 from kvevents.sequencer import Action, Apply, Batch, Clear, Complete, Confirm, Count, Replay, Sequencer
 from kvevents.sglang import decode_sglang_batch
@@ -150,7 +151,10 @@ class PoolStats(msgspec.Struct, frozen=True):
     streams whose completeness flag is false now (see
     :meth:`EventPool.completeness`); index_unavailable: events not applied
     because the index's store (Redis) was unreachable; rebuilds: streams
-    cleared and rebuilt from the engine's buffer after such a loss.
+    cleared and rebuilt from the engine's buffer after such a loss;
+    misconfigured_streams: streams whose engine's configuration does not
+    match ours (``StreamState.misconfigured``; their refused events count
+    as kind ``misconfigured``).
     """
 
     messages: int
@@ -181,6 +185,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     replay_retries: int = 0
     deferred: int = 0
     replay_cuts: int = 0
+    misconfigured_streams: int = 0
 
 
 class RateLimitedLog:
@@ -212,11 +217,12 @@ class _Stream:
 
     __slots__ = (
         "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses",
-        "messages", "batches", "events", "clears", "stored", "removed",
+        "messages", "batches", "events", "clears", "stored", "removed", "check",
     )
 
     def __init__(
-        self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str, max_retries: int = 10
+        self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str, max_retries: int = 10,
+        check: StreamCheck | None = None,
     ) -> None:
         self.pod = pod
         self.model = model
@@ -234,6 +240,7 @@ class _Stream:
         self.stored: dict[str, int] = {}  # tier -> blocks stored
         self.removed: dict[str, int] = {}  # tier -> blocks removed
         self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
+        self.check = check if check is not None else ConfigCheck(None).stream(pod, model, rank)
 
 
 class StreamCounters(NamedTuple):
@@ -276,6 +283,9 @@ class StreamState(NamedTuple):
     losses: how many times the stream lost state so far (it became
         incomplete, was cleared, or applied a batch with a malformed event);
         a change means a new loss even while the stream stays incomplete.
+    misconfigured: the reasons (:data:`kvevents.misconfig.REASONS`) the
+        engine's configuration does not match ours; while any, ``complete``
+        is False and ``why`` says what to set.
     """
 
     pod: str
@@ -286,6 +296,7 @@ class StreamState(NamedTuple):
     last_seq: int | None
     why: str
     losses: int = 0
+    misconfigured: tuple[str, ...] = ()
 
 
 class _Flush(NamedTuple):
@@ -487,7 +498,8 @@ class _Shard:
         st = self.streams.get(key)
         if st is None:
             st = self.streams[key] = _Stream(
-                pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries
+                pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries,
+                self.pool.config_check.stream(pod, model, rank, source.model),
             )
         return st
 
@@ -542,6 +554,7 @@ class _Shard:
                     "clear", "pod %s model %s rank %s: clearing (%s)", st.pod, st.model, st.rank, a.why
                 )
                 st.losses += 1
+                st.check.rearm()
                 try:
                     self.pool.index.clear(st.pod, st.rank, model=st.model)
                 except IndexUnavailable as exc:
@@ -599,8 +612,13 @@ class _Shard:
             into = st.removed
             for tier, k in r.removed_by_tier.items():
                 into[tier] = into.get(tier, 0) + k
-        for msg in r.errors:
-            self._error("apply", f"pod {pod}: event not applied: {msg}")
+        if r.errors or st.check.watching:
+            st.check.events(batch.events)
+        if st.check.problems and r.errors:  # logged once by the check: only counted here
+            self._error("misconfigured", "", len(r.errors), quiet=True)
+        else:
+            for msg in r.errors:
+                self._error("apply", f"pod {pod}: event not applied: {msg}")
         if r.unavailable is not None:
             # the rest of the batch was not applied either (order matters); the stream is rebuilt
             self._index_failed(st, f"pod {pod}: {r.left} event(s) not applied: {r.unavailable}", r.left)
@@ -853,11 +871,12 @@ class _Shard:
             if st is not None:
                 self._run(st, st.seq.idle())
 
-    def _error(self, kind: str, msg: str, n: int = 1) -> None:
+    def _error(self, kind: str, msg: str, n: int = 1, quiet: bool = False) -> None:
         c = self.c
         c.decode_errors += n
         c.errors_by_kind[kind] = c.errors_by_kind.get(kind, 0) + n
-        self.pool.rlog.warn(kind, "kvevents: %s", msg)
+        if not quiet:
+            self.pool.rlog.warn(kind, "kvevents: %s", msg)
 
 
 def _as_batch(seq: int, batch: EventBatch) -> Batch:
@@ -902,6 +921,9 @@ class EventPool:
             effect later than the last check leaves that batch lost until the
             engine's next message.
         zmq_context: context for replay sockets (default: the process's).
+        config_check: what each stream's engine is checked against (block
+            size, engine-hash algorithm, model; see :mod:`kvevents.misconfig`);
+            default: the index's token processor, no expected model.
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
     wait until everything queued so far is applied, ``stop()``.
@@ -921,6 +943,7 @@ class EventPool:
         rejoin_checks: int = 6,
         rejoin_check_delay: float = 0.2,
         zmq_context: zmq.Context | None = None,
+        config_check: ConfigCheck | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -952,6 +975,7 @@ class EventPool:
         self.replay_retry_delay = replay_retry_delay
         self.replay_retry_max_delay = replay_retry_max_delay
         self.zmq_context = zmq_context or zmq.Context.instance()
+        self.config_check = config_check or ConfigCheck(getattr(index, "token_processor", None))
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
         self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
@@ -1157,12 +1181,14 @@ class EventPool:
                 total.errors_by_kind[k] = total.errors_by_kind.get(k, 0) + v
                 total.decode_errors += v
             dropped = self._dropped
+        states = self.completeness()
         return PoolStats(
             **{n: getattr(total, n) for n in _Counters.__slots__},
             dropped_messages=dropped,
             orphans=self.index.stats().orphans,
             queued=queued,
-            incomplete_streams=sum(1 for s in self.completeness() if not s.complete),
+            incomplete_streams=sum(1 for s in states if not s.complete),
+            misconfigured_streams=sum(1 for s in states if s.misconfigured),
         )
 
     def pending_retries(self) -> int:
@@ -1206,8 +1232,10 @@ class EventPool:
             for st in list(s.streams.values()):
                 if pod is None or st.pod == pod:
                     sq = st.seq
+                    bad = st.check.problems
                     out.append(StreamState(
-                        st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why, st.losses
+                        st.pod, st.model, st.rank, sq.complete and not bad, st.complete_since, sq.last,
+                        "; ".join(p.message for p in bad) if bad else st.why, st.losses, tuple(p.reason for p in bad),
                     ))
         out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
         return out

@@ -110,3 +110,155 @@ def test_route_sends_unrelated_prompts_to_the_idle_configured_pod(backend: str) 
     finally:
         warm.close()
         idle.close()
+
+
+# -- engines configured unlike the indexer: unhealthy stream, one log line, a metric
+
+def _scrape(registry) -> dict:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _run_misconfigured(caplog, cfg: dict, engine_kw: dict, prompts: int = 4):
+    """Start an indexer on one simulated engine, serve ``prompts`` prompts; (indexer stats, state, scrape, log lines)."""
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from kvindex.facade import Indexer
+
+    eng = _sim("pod-a", **engine_kw)
+    registry = CollectorRegistry()
+    caplog.set_level(logging.WARNING, logger="kvevents")
+    try:
+        cfg = {"model_name": "m", **cfg, "kv_events_config": {"engines": [_engine_cfg(eng)]}}
+        with Indexer(Config.from_dict(cfg), metrics_registry=registry) as ix:
+            bs = eng.block_size
+            for i in range(prompts):
+                eng.serve([1 + i * 1000 + t for t in range(3 * bs)])
+            _wait(lambda: sum(s.batches for s in ix.pool.stream_counters()) >= prompts, "every batch")
+            assert ix.flush()
+            stats, states, got = ix.stats(), ix.completeness(), _scrape(registry)
+            index_keys = stats.index.keys
+    finally:
+        eng.close()
+    lines = [r.getMessage() for r in caplog.records if "misconfigured" in r.getMessage()]
+    return stats, states, got, lines, index_keys
+
+
+LV = (("dp_rank", "0"), ("model", "m"), ("pod", "pod-a"))
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_block_size_mismatch_shows(caplog, backend: str) -> None:
+    stats, states, got, lines, keys = _run_misconfigured(
+        caplog, {"token_processor_config": {"block_size": 16}, "kv_block_index_config": {"backend": backend}},
+        {"block_size": 32},
+    )
+    [st] = states
+    assert st.misconfigured == ("block_size",) and not st.complete
+    assert "engine block size 32, config 16: set token_processor_config.block_size: 32" in st.why
+    assert stats.misconfigured == (st,) and stats.events.misconfigured_streams == 1
+    assert stats.events.errors_by_kind.get("misconfigured", 0) >= 4 and "apply" not in stats.events.errors_by_kind
+    assert keys == 0  # nothing could be stored
+    assert got[("kvindex_stream_misconfigured", LV + (("reason", "block_size"),))] == 1
+    assert got[("kvindex_stream_complete", LV)] == 0
+    assert got[("kvindex_streams_misconfigured", ())] == 1
+    assert got[("kvindex_event_errors_total", (("kind", "misconfigured"),))] >= 4
+    # one line for the stream, however many batches were refused
+    assert lines == ["kvevents: misconfigured: pod-a: engine block size 32, config 16: set "
+                     "token_processor_config.block_size: 32 (every BlockStored is refused until then)"]
+
+
+def test_hash_algorithm_mismatch_shows_and_names_the_fix(caplog) -> None:
+    stats, states, got, lines, keys = _run_misconfigured(
+        caplog, {"token_processor_config": {"block_size": 4, "algorithm": "vllm_sha256_cbor"}},
+        {"block_size": 4, "hash_algo": "sha256", "hash_seed": "vllm-none-hash"},
+    )
+    [st] = states
+    assert st.misconfigured == ("hash_algorithm",) and not st.complete
+    assert "set token_processor_config algorithm: vllm_sha256, engine_hash_seed: None" in st.why
+    assert keys > 0  # stored under the engine's keys, which no prompt of ours produces
+    assert got[("kvindex_stream_misconfigured", LV + (("reason", "hash_algorithm"),))] == 1
+    assert got[("kvindex_stream_complete", LV)] == 0
+    assert len(lines) == 1 and "engine block hashes differ" in lines[0]
+
+
+def test_matching_engine_hashes_are_healthy(caplog) -> None:
+    stats, states, got, lines, keys = _run_misconfigured(
+        caplog, {"token_processor_config": {"block_size": 4, "algorithm": "vllm_sha256_cbor"}},
+        {"block_size": 4, "hash_algo": "sha256_cbor", "hash_seed": "vllm-none-hash"},
+    )
+    [st] = states
+    assert st.complete and st.misconfigured == () and stats.misconfigured == () and lines == []
+    assert got[("kvindex_stream_complete", LV)] == 1 and got[("kvindex_streams_misconfigured", ())] == 0
+    assert not any(k[0] == "kvindex_stream_misconfigured" for k in got)
+
+
+def test_model_name_mismatch_shows(caplog) -> None:
+    stats, states, got, lines, keys = _run_misconfigured(
+        caplog, {"model_name": "llama", "token_processor_config": {"block_size": 4}}, {"block_size": 4},
+    )
+    [st] = states
+    assert st.misconfigured == ("model_name",) and not st.complete
+    assert "engine publishes model 'm' (topic kv@pod-a@m), config model_name 'llama': set model_name: m" in st.why
+    assert got[("kvindex_stream_misconfigured", LV + (("reason", "model_name"),))] == 1
+    assert len(lines) == 1 and "set model_name: m" in lines[0]
+
+
+def test_an_engine_entry_naming_its_model_is_not_a_mismatch(caplog) -> None:
+    from kvevents.misconfig import ConfigCheck
+
+    check = ConfigCheck(None, model_name="llama")
+    assert check.stream("pod-a", "m", 0, configured_model="m").problems == ()
+    assert [p.reason for p in check.stream("pod-a", "x", 0, configured_model="m").problems] == ["model_name"]
+    assert check.stream("pod-a", "llama", 0).problems == ()
+
+
+def test_a_fixed_block_size_clears_the_reason() -> None:
+    from kvevents.events import BlockStored
+    from kvevents.misconfig import ConfigCheck
+    from kvindex.keys import TokenProcessor
+
+    chk = ConfigCheck(TokenProcessor(block_size=4)).stream("pod-a", "m", 0)
+    assert chk.watching and chk.problems == ()
+    chk.events([BlockStored((1,), None, tuple(range(8)), 8, "gpu")])
+    assert [p.reason for p in chk.problems] == ["block_size"] and chk.watching
+    chk.events([BlockStored((2,), None, (), 8, "gpu")])  # token-less: tells nothing
+    assert [p.reason for p in chk.problems] == ["block_size"]
+    chk.events([BlockStored((3,), None, tuple(range(4)), 4, "gpu")])  # the engine restarted with 4
+    assert chk.problems == () and not chk.watching
+    chk.rearm()
+    assert chk.watching
+
+
+# -- several indexers, one registry
+
+def test_two_indexers_share_a_registry_with_their_own_namespaces() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from kvindex.facade import Indexer
+
+    registry = CollectorRegistry()
+    a = Indexer(Config(), metrics_registry=registry, metrics_namespace="a")
+    b = Indexer(Config(), metrics_registry=registry, metrics_namespace="b")
+    a.score(list(range(64)))
+    a.score(list(range(64)))
+    b.score(list(range(64)))
+    got = _scrape(registry)
+    assert got[("a_kvindex_score_duration_seconds_count", ())] == 2
+    assert got[("b_kvindex_score_duration_seconds_count", ())] == 1
+    assert got[("a_kvindex_streams_misconfigured", ())] == 0 and ("b_kvindex_index_keys", ()) in got
+    # the same names twice are refused at once, naming the clash
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        Indexer(Config(), metrics_registry=registry, metrics_namespace="a")
+    with pytest.raises(ValueError, match="metrics namespace"):
+        Indexer(Config(), metrics_namespace="bad-name")
+    with pytest.raises(TypeError):
+        Indexer(Config(), metrics_registry={})  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from kvindex.facade.config import Config
 from kvindex.facade.metrics import KVIndexMetrics
+from kvevents.misconfig import ConfigCheck
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.contract import IndexStats, KVIndex, TokenMatch
@@ -78,11 +79,17 @@ class Score(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IndexerStats(msgspec.Struct, frozen=True):
-    """Index and write-path counters together (see IndexStats and PoolStats)."""
+    """Index and write-path counters together (see IndexStats and PoolStats).
+
+    misconfigured: the streams whose engine's configuration does not match
+    ours (block size, engine-hash algorithm, model), each with its reasons
+    (``StreamState.misconfigured``) and what to set (``why``).
+    """
 
     index: IndexStats
     events: PoolStats
     received_messages: int
+    misconfigured: tuple[StreamState, ...] = ()
 
 
 def _checked_loads(loads: object) -> Mapping[str, LoadSnapshot]:
@@ -102,12 +109,29 @@ class Indexer:
             no engines).
         index: use this index (any :class:`kvindex.contract.KVIndex`) instead of
             building the one ``kv_block_index_config.backend`` names.
+        metrics_registry: register the library's metrics (:attr:`metrics`)
+            there now (as :meth:`register_metrics`); None: not registered.
+        metrics_namespace: prefix of this indexer's metric names
+            (``<namespace>_kvindex_...``; see
+            :class:`~kvindex.facade.metrics.KVIndexMetrics`): give each
+            indexer of one process its own to serve them from one registry.
 
     The write path runs only between :meth:`start` and :meth:`stop`; the read
     path (:meth:`score`) works at any time on whatever the index holds.
     """
 
-    def __init__(self, config: Config | None = None, *, index: KVIndex | None = None) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        index: KVIndex | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        metrics_namespace: str | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a Config, got {type(config).__name__}")
+        if metrics_registry is not None and not isinstance(metrics_registry, CollectorRegistry):
+            raise TypeError(f"metrics_registry must be a prometheus_client CollectorRegistry, got {type(metrics_registry).__name__}")
         self.config = cfg = config or Config()
         tpc = cfg.token_processor_config
         self.token_processor = (
@@ -121,27 +145,12 @@ class Indexer:
                 lora_paths=tpc.lora_paths,
             )
         )
-        mem = cfg.kv_block_index_config.in_memory_config
-        if index is None and cfg.kv_block_index_config.backend == "redis":
-            from kvindex.redis_index import RedisKVBlockIndex
-
-            rc = cfg.kv_block_index_config.redis_config
-            index = RedisKVBlockIndex(
-                self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks, url=rc.url,
-                key_prefix=rc.key_prefix, held_ttl=rc.held_ttl, socket_timeout=rc.socket_timeout,
-                retry_interval=rc.retry_interval,
-            )
-        self.index: KVIndex = index if index is not None else make_index(
-            cfg.kv_block_index_config.backend,
-            self.token_processor,
-            capacity=mem.size,
-            max_orphan_blocks=mem.max_orphan_blocks,
-        )
+        self.index: KVIndex = index if index is not None else self._build_index()
         ev = cfg.kv_events_config
         self.pool = EventPool(
             self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout,
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
-            rejoin_checks=ev.rejoin_checks,
+            rejoin_checks=ev.rejoin_checks, config_check=ConfigCheck(self.token_processor, cfg.model_name),
         )
         self.subscriber = Subscriber(
             self.pool,
@@ -152,15 +161,7 @@ class Indexer:
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
-        self.picker: WeightedPicker | TTFTPicker
-        if sc.picker == "ttft":
-            self.picker = TTFTPicker(
-                kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve
-            )
-        else:
-            self.picker = WeightedPicker(
-                PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
-            )
+        self.picker: WeightedPicker | TTFTPicker = self._build_picker()
         self.speculative_ttl = sc.speculative_ttl
         self._bit_weight_cache: list[float] = []
         self._best_tier_cache: dict[int, str | None] = {}
@@ -178,7 +179,33 @@ class Indexer:
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
         self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
-        self.metrics = KVIndexMetrics(self)
+        self.metrics = KVIndexMetrics(self, namespace=metrics_namespace)
+        if metrics_registry is not None:
+            self.metrics.register(metrics_registry)
+
+    def _build_index(self) -> KVIndex:
+        """The index ``kv_block_index_config`` names, on :attr:`token_processor`."""
+        ic = self.config.kv_block_index_config
+        mem = ic.in_memory_config
+        if ic.backend == "redis":
+            from kvindex.redis_index import RedisKVBlockIndex
+
+            rc = ic.redis_config
+            return RedisKVBlockIndex(
+                self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks, url=rc.url,
+                key_prefix=rc.key_prefix, held_ttl=rc.held_ttl, socket_timeout=rc.socket_timeout,
+                retry_interval=rc.retry_interval,
+            )
+        return make_index(ic.backend, self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks)
+
+    def _build_picker(self) -> WeightedPicker | TTFTPicker:
+        """The picker ``scorer_config`` names."""
+        sc = self.config.scorer_config
+        if sc.picker == "ttft":
+            return TTFTPicker(kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve)
+        return WeightedPicker(
+            PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
+        )
 
     # -- lifecycle
 
@@ -508,13 +535,17 @@ class Indexer:
         The router then serves them with the rest of its registry
         (``prometheus_client.generate_latest(registry)``); see
         :mod:`indexer.metrics` and the README's "Metrics" table.  Raises
-        ValueError when ``registry`` already holds one of the names.
+        ValueError when ``registry`` already holds one of the names (another
+        indexer's: construct each with its own ``metrics_namespace``).
         """
         return self.metrics.register(registry)
 
     def stats(self) -> IndexerStats:
         """Index sizes/counters and write-path counters."""
-        return IndexerStats(index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received)
+        return IndexerStats(
+            index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received,
+            misconfigured=tuple(s for s in self.pool.completeness() if s.misconfigured),
+        )
 
     def completeness(self, pod: str | None = None) -> list[StreamState]:
         """Per publisher stream (pod, model, DP rank): is the index known to hold exactly its blocks?
@@ -525,7 +556,10 @@ class Indexer:
         reconnect without replay, a restart or start caught after the
         engine's seq 0 left its buffer, or a malformed event) and ``since``,
         the ``time.monotonic()`` of this process when it last became
-        complete.  A pod whose streams are all complete is predicted exactly;
+        complete.  A stream whose engine is configured unlike us (another
+        block size, engine-hash algorithm or model) is not complete, names
+        the reasons in ``misconfigured`` and what to set in ``why`` (logged
+        once per stream as ``kvevents: misconfigured: ...``).  A pod whose streams are all complete is predicted exactly;
         an incomplete one may miss blocks it holds (never holds more, when it
         has a replay endpoint).  See :meth:`kvevents.pool.EventPool.completeness`.
         """
