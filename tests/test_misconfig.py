@@ -262,3 +262,36 @@ def test_two_indexers_share_a_registry_with_their_own_namespaces() -> None:
         Indexer(Config(), metrics_namespace="bad-name")
     with pytest.raises(TypeError):
         Indexer(Config(), metrics_registry={})  # type: ignore[arg-type]
+
+
+# -- exit without stop()
+
+EXIT_WITHOUT_STOP = """
+from kvindex import Config, Indexer
+ix = Indexer(Config.from_dict({
+    "token_processor_config": {"block_size": 4},
+    "kv_block_index_config": {"backend": "native"},
+    "kv_events_config": {"engines": [{"pod": "a", "endpoint": "tcp://127.0.0.1:%d"}], "connect_timeout": 0},
+}))
+ix.start()
+ix.index.block_stored("a", 0, [1, 2], None, list(range(8)), "gpu", block_size=4)
+assert ix.score(list(range(8))).pod == "a"
+print("scored")
+"""
+
+
+def test_exit_without_stop_leaks_nothing() -> None:
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("kvindex._native")
+    with socket.socket() as s:  # a port nobody listens on: the subscription stays down
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_STOP % port], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "scored"
+    assert "leaked" not in out.stderr, out.stderr

@@ -17,9 +17,11 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
@@ -43,6 +45,25 @@ from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_fr
 __all__ = ["Indexer", "Score", "IndexerStats"]
 
 log = logging.getLogger("indexer")
+
+#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`)
+_RUNNING: weakref.WeakSet[Indexer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    """Stop every indexer still running when the interpreter exits.
+
+    Their workers are daemon threads: left running, the interpreter freezes
+    them with their frames, which keep the index (and the compiled core's
+    objects) alive past finalisation, and nanobind reports them as leaked.
+    Stopping joins the threads, so everything is freed in order.
+    """
+    for ix in list(_RUNNING):
+        try:
+            ix.stop()
+        except Exception:  # exiting: nothing left to tell
+            log.debug("stopping an indexer at exit failed", exc_info=True)
 
 
 class Score(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,6 +240,7 @@ class Indexer:
         """
         self.pool.start()
         self.subscriber.start()
+        _RUNNING.add(self)
         wait = self.config.kv_events_config.connect_timeout
         if wait > 0 and not self.subscriber.wait_connected(wait):
             down = sorted({pod for (pod, _rank), up in self.subscriber.connected().items() if not up})
@@ -236,7 +258,8 @@ class Indexer:
         return self.subscriber.wait_connected(timeout)
 
     def stop(self) -> None:
-        """Stop receiving, then stop the workers after what is queued."""
+        """Stop receiving, then stop the workers after what is queued (also done at interpreter exit)."""
+        _RUNNING.discard(self)
         self.subscriber.stop()
         self.pool.stop()
 
