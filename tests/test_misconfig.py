@@ -295,3 +295,55 @@ def test_exit_without_stop_leaks_nothing() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "scored"
     assert "leaked" not in out.stderr, out.stderr
+
+
+# -- start() does not wait for an engine it cannot reach
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_start_returns_without_an_unreachable_engine_and_covers_the_reachable_ones(caplog) -> None:
+    import logging
+    import threading
+
+    from examples.simfleet import SimEngine
+    from kvindex.facade import Indexer
+
+    up = _sim("pod-up", block_size=4)
+    up.serve(list(range(1, 17)))  # buffered before the indexer exists
+    late_pub, late_replay = _free_port(), _free_port()
+    cfg = Config.from_dict({
+        "model_name": "m", "token_processor_config": {"block_size": 4},
+        "kv_events_config": {"connect_timeout": 3000, "engines": [
+            _engine_cfg(up),
+            {"pod": "pod-late", "endpoint": f"tcp://127.0.0.1:{late_pub}",
+             "replay_endpoint": f"tcp://127.0.0.1:{late_replay}"},
+        ]},
+    })
+    ix = Indexer(cfg)
+    caplog.set_level(logging.WARNING, logger="indexer")
+    started = threading.Event()
+    threading.Thread(target=lambda: (ix.start(), started.set()), daemon=True).start()
+    late = None
+    try:
+        # refused at once: start() is back long before the 3000 s a connection attempt may take
+        assert started.wait(120), "start() waited for an engine that refuses connections"
+        assert ix.subscriber.connected() == {("pod-up", 0): True, ("pod-late", 0): False}
+        assert any("not reachable yet" in r.getMessage() and "pod-late" in r.getMessage() for r in caplog.records)
+        assert ix.flush()  # start(); flush() covers the reachable engine's buffer
+        assert ix.index.pods() == {"pod-up"} and ix.score(list(range(1, 17))).prefix["pod-up"].matched_blocks == 4
+        late = SimEngine(pod="pod-late", model="m", endpoint=f"tcp://127.0.0.1:{late_pub}", pub_bind=True,
+                         replay_endpoint=f"tcp://127.0.0.1:{late_replay}", capacity_blocks=64, block_size=4)
+        late.serve(list(range(101, 117)))
+        assert ix.wait_connected(120)  # the explicit wait; then flush covers the late engine's buffer too
+        assert ix.flush() and ix.score(list(range(101, 117))).prefix["pod-late"].matched_blocks == 4
+    finally:
+        ix.stop()
+        up.close()
+        if late is not None:
+            late.close()

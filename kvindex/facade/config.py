@@ -163,11 +163,15 @@ class KVEventsConfig(_Base, frozen=True):
     engine's first live message (a batch published between the handshake
     and the publisher taking the subscription is lost live; see
     :class:`kvevents.pool.EventPool`).
-    connect_timeout: seconds :meth:`indexer.Indexer.start` waits for every
-    engine subscription to be up (connect mode; 0: do not wait).  The
-    bootstrap replay is asked once a subscription is up, so a ``flush()``
-    after ``start()`` then covers what the engines buffer.  An engine still
-    down by then is logged (a warning) and subscribed to in the background.
+    connect_timeout: seconds one TCP connection attempt to an engine may
+        take (then it counts as failed and is retried in the background).
+        :meth:`indexer.Indexer.start` waits only while first attempts are in
+        flight: a reachable engine answers and a refusing one fails within
+        milliseconds, so only an address that drops packets makes it wait,
+        this long at most (0: no wait, the OS's connect timeout).  An engine
+        up when start() returns has had its bootstrap replay queued, so a
+        ``flush()`` then covers what it buffers; the others are named in a
+        warning (``Indexer.wait_connected`` waits for them).
     """
 
     engines: list[EngineEndpoint] = msgspec.field(default_factory=list)

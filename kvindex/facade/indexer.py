@@ -179,6 +179,7 @@ class Indexer:
             bind=ev.zmq_endpoint,
             bind_replay=ev.bind_replay,
             bind_engine=ev.engine,
+            connect_timeout=ev.connect_timeout,
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
@@ -233,26 +234,34 @@ class Indexer:
     def start(self) -> Indexer:
         """Start the pool workers and the subscriber (opens the ZMQ sockets).
 
-        Returns once every engine subscription is up, or after
-        ``kv_events_config.connect_timeout`` seconds (a warning names the
-        engines still down; they are subscribed to in the background).  A
-        :meth:`flush` then covers the engines' bootstrap replays.
+        Never waits for an engine that cannot be reached: it returns once
+        each engine subscription's first connection attempt has ended, up
+        (a reachable engine handshakes within milliseconds; its bootstrap
+        replay is then queued, so a :meth:`flush` after ``start()`` covers
+        what it buffers) or failed (refused, unresolvable: at once; an
+        address dropping packets: after ``kv_events_config.connect_timeout``,
+        the bound of one TCP attempt).  Engines not up are named in one
+        warning and subscribed to in the background; :meth:`wait_connected`
+        is the explicit wait for them.
         """
         self.pool.start()
         self.subscriber.start()
         _RUNNING.add(self)
         wait = self.config.kv_events_config.connect_timeout
-        if wait > 0 and not self.subscriber.wait_connected(wait):
+        if wait > 0:
+            self.subscriber.wait_settled(wait + 1.0)  # an attempt ends within connect_timeout
             down = sorted({pod for (pod, _rank), up in self.subscriber.connected().items() if not up})
-            log.warning("KV-event publishers not up after %.1f s (subscribing in the background): %s", wait, down)
+            if down:
+                log.warning("KV-event publishers not reachable yet (subscribing in the background): %s", down)
         return self
 
     def wait_connected(self, timeout: float = 10.0) -> bool:
         """Block until every engine subscription has been up at least once; False after ``timeout`` s.
 
-        :meth:`start` already waits for the engines of the config; call this
-        (then :meth:`flush`) after :meth:`add_engine` to have a new engine's
-        buffered events before scoring on it.  See
+        :meth:`start` waits only for engines that answer at once; call this
+        (then :meth:`flush`) to wait for engines that were not reachable yet,
+        or after :meth:`add_engine` to have a new engine's buffered events
+        before scoring on it.  See
         :meth:`kvevents.subscriber.Subscriber.wait_connected`.
         """
         return self.subscriber.wait_connected(timeout)
