@@ -347,3 +347,66 @@ def test_start_returns_without_an_unreachable_engine_and_covers_the_reachable_on
         up.close()
         if late is not None:
             late.close()
+
+
+# -- Redis unavailability: logged once per outage with the URL, counted in a metric
+
+def _redis_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kvindex.redis"]
+
+
+def test_redis_outage_is_logged_once_and_counted_for_the_index_and_the_retained_store(caplog) -> None:
+    import logging
+
+    from prometheus_client import CollectorRegistry
+
+    from connector.redis_retained import RedisRetainedStore
+    from kvindex.contract import IndexUnavailable
+    from kvindex.facade import Indexer
+    from kvindex.redis_index import RedisKVBlockIndex
+    from tests.redis_server import RedisServer
+
+    caplog.set_level(logging.WARNING, logger="kvindex.redis")
+    with RedisServer() as server:
+        url = server.url
+        cfg = Config.from_dict({"token_processor_config": {"block_size": 4}, "kv_block_index_config": {
+            "backend": "redis", "redis_config": {"url": url, "retry_interval": 0.05, "socket_timeout": 0.5}}})
+        registry = CollectorRegistry()
+        ix = Indexer(cfg, metrics_registry=registry)
+        store = RedisRetainedStore(url=url, retry_interval=0.05, socket_timeout=0.5)
+        registry.register(store.metrics())
+        index = ix.index
+        assert isinstance(index, RedisKVBlockIndex)
+        index.block_stored("a", 0, [1], None, [1, 2, 3, 4], "gpu", block_size=4)
+        assert store.get("c") is None and _redis_lines(caplog) == []
+
+        server.stop()
+        for _ in range(3):  # an outage: many failed calls, some after the fail-fast interval
+            assert ix.score([1, 2, 3, 4]).prefix == {}  # reads answer without prefix information
+            with pytest.raises(IndexUnavailable):
+                index.block_stored("a", 0, [2], 1, [5, 6, 7, 8], "gpu", block_size=4)
+            assert store.get("c") is None and store.take("c") is None
+            _wait(lambda: not index.link.down() and not store.link.down(), "the fail-fast interval")
+        lines = _redis_lines(caplog)
+        assert len(lines) == 2  # exactly one line per store, however many calls failed
+        assert lines[0].startswith(f"kvindex index: Redis at {url} unreachable (ConnectionError: ")
+        assert lines[1].startswith(f"retained store: Redis at {url} unreachable (ConnectionError: ")
+        got = _scrape(registry)  # (a scrape asks the index for its sizes: one more failed call)
+        assert 6 <= got[("kvindex_index_redis_errors_total", ())] <= index.link.error_count
+        assert got[("kvindex_index_redis_dropped_writes_total", ())] == 3
+        assert got[("kvindex_retained_redis_errors_total", ())] == store.link.error_count >= 6
+        st = store.stats()  # the same count in the store's stats
+        assert st.redis_errors == store.link.error_count
+
+        server.start()
+        _wait(index.writable, "the server back")
+        _wait(lambda: store.get("c") is None and not store.link._in_outage, "the store's next answer")
+        back = _redis_lines(caplog)[2:]
+        assert sorted(b.split(":")[0] for b in back) == ["kvindex index", "retained store"]
+        assert all(f"Redis at {url} reachable again" in b for b in back)
+        # a flapping server: a second outage within log_interval (60 s) is counted, not logged again
+        server.stop()
+        ix.score([1, 2, 3, 4])
+        store.get("c")
+        assert index.link.outages == store.link.outages == 2
+        assert len([x for x in _redis_lines(caplog) if "unreachable" in x]) == 2

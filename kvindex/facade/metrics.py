@@ -144,6 +144,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_index_unknown_removals": ("counter", (), "BlockRemoved for a block the pod was not known to hold."),
     "kvindex_index_speculative_entries": ("gauge", (), "Live speculative (routed, not yet confirmed) entries."),
     "kvindex_index_clears": ("counter", (), "Stream or pod clears that removed something."),
+    "kvindex_index_redis_errors": (
+        "counter", (), "Index calls that could not reach the Redis server or that it failed (Redis backend; "
+        "reads answered without prefix information)."),
+    "kvindex_index_redis_dropped_writes": ("counter", (), "Of those, writes not applied (the stream is rebuilt)."),
     # read path
     "kvindex_score_duration_seconds": ("histogram", (), "Time of Indexer.score() (keys, match, picker)."),
     "kvindex_score_chosen_coverage": (
@@ -342,6 +346,8 @@ class KVIndexMetrics(Collector):
             ("kvindex_index_unknown_removals", idx.unknown_removals),
             ("kvindex_index_speculative_entries", idx.speculative),
             ("kvindex_index_clears", idx.clears),
+            ("kvindex_index_redis_errors", idx.redis_errors),
+            ("kvindex_index_redis_dropped_writes", idx.dropped_writes),
         ):
             if value is not None:
                 yield self._single(name, value)
