@@ -35,7 +35,9 @@ OOM, READONLY), the store answers as an empty one and never raises:
 returns the entry without storing it, :meth:`discard` False, :meth:`expire`
 0; each such call counts ``redis_errors`` in :meth:`stats`, and for
 ``retry_interval`` seconds after an error calls fail fast without asking the
-server.  The index mirror follows the same rule (its
+server.  An outage is logged once when it starts (with the server's URL) and
+once when it ends (:class:`kvindex.redis_conn.RedisLink`, shared with the
+index).  The index mirror follows the same rule (its
 :class:`kvindex.contract.IndexUnavailable` is counted, not raised).
 """
 
@@ -48,13 +50,16 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from connector.retained import DEFAULT_TTL, HeldIndex, RetainedEntry, RetainedStats, checked_retained
 from connector.params import RemoteKVParams
 from kvindex.contract import IndexUnavailable
+from kvindex.redis_conn import RedisLink
 from kvindex.tiers import DECODE_RETAINED
 
-__all__ = ["RedisRetainedStore", "DEFAULT_RETAINED_PREFIX"]
+__all__ = ["RedisRetainedStore", "RetainedStoreMetrics", "DEFAULT_RETAINED_PREFIX"]
 
 #: Key prefix of the store when none is given.
 DEFAULT_RETAINED_PREFIX = "kvindex:{retained}:"
@@ -146,16 +151,6 @@ return ids
 """
 
 
-def _no_retry_after_timeout(redis: Any) -> Any:
-    """One immediate retry after a connection error, none after a timeout.
-
-    A call that timed out may still run on a slow server; sent again, a
-    script that is not idempotent (``add_held`` counts references,
-    ``take`` spends a use) would run twice.
-    """
-    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-
-
 class RedisRetainedStore:
     """conversation_id -> :class:`RetainedEntry` in Redis, shared by router replicas.
 
@@ -198,20 +193,11 @@ class RedisRetainedStore:
             raise ValueError(f"max_uses must be >= 1, got {max_uses}")
         if not 0 <= grace <= MAX_TTL:
             raise ValueError(f"grace must be in [0, {MAX_TTL:g}] s, got {grace}")
-        import redis
-
-        self._errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                        redis.exceptions.ResponseError)
-        if client is None:
-            if url is None:
-                raise ValueError("the Redis retained store needs a url or a client")
-            client = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
-                retry=_no_retry_after_timeout(redis),
-            )
+        self.link = RedisLink(
+            "retained store", url=url, client=client, socket_timeout=socket_timeout, retry_interval=retry_interval
+        )
         self.retry_interval = retry_interval
-        self._down_until = 0.0
-        self.client = client
+        self.client = client = self.link.client
         self.index = index
         self.ttl = float(ttl)
         self.max_uses = max_uses
@@ -227,26 +213,14 @@ class RedisRetainedStore:
         self._decode = msgspec.msgpack.Decoder(RetainedEntry).decode
         self._lock = threading.Lock()
         self._c = dict.fromkeys(
-            ("stored", "replaced", "used_up", "expired", "evicted", "discarded", "redis_errors"), 0
+            ("stored", "replaced", "used_up", "expired", "evicted", "discarded"), 0
         )
 
     # ------------------------------------------------------------------ plumbing
 
     def _call(self, fn: Any, default: Any) -> Any:
-        """``fn()``'s answer, or ``default`` (counted) when the server is unreachable or failing."""
-        if time.monotonic() < self._down_until:
-            self._count_error()
-            return default
-        try:
-            return fn()
-        except self._errors:
-            self._down_until = time.monotonic() + self.retry_interval
-            self._count_error()
-            return default
-
-    def _count_error(self) -> None:
-        with self._lock:
-            self._c["redis_errors"] += 1
+        """``fn()``'s answer, or ``default`` (counted; an outage logged once) when the server is unreachable."""
+        return self.link.call(fn, default)
 
     def _script(self, name: str, *args: Any, default: Any = None) -> Any:
         return self._call(lambda: self._scripts[name](args=(self.key_prefix, *args)), default)
@@ -282,7 +256,7 @@ class RedisRetainedStore:
                 self.index.add_held(decode_pod, keys, self.tier)
                 mirrored = True
             except IndexUnavailable:
-                self._count_error()
+                self.link.failed()  # counted; the entry is stored without its mirror
         res = self._script(
             "put", _cid(conversation_id), self._blob(entry), self.max_uses, repr(entry.expiry),
             int((self.ttl + self.grace) * 1000),
@@ -357,11 +331,15 @@ class RedisRetainedStore:
         """Live conversation ids, soonest to expire first."""
         return [c.decode("utf-8", "surrogatepass") for c in self._script("live", default=[])]
 
+    def metrics(self, namespace: str | None = None) -> RetainedStoreMetrics:
+        """A Prometheus collector of the store's Redis errors (register it where the router's metrics are)."""
+        return RetainedStoreMetrics(self, namespace)
+
     def stats(self) -> RetainedStats:
         """This process's counters and the shared number of live entries (see :class:`RetainedStats`)."""
         n = len(self)
         with self._lock:
-            return RetainedStats(entries=n, **self._c)
+            return RetainedStats(entries=n, redis_errors=self.link.error_count, **self._c)
 
     # -------------------------------------------------------------- internals
 
@@ -374,4 +352,22 @@ class RedisRetainedStore:
             try:
                 self.index.remove_held(entry.decode_pod, entry.request_keys, self.tier)
             except IndexUnavailable:
-                self._count_error()  # the index's held_ttl ends the mirror
+                self.link.failed()  # counted; the index's held_ttl ends the mirror
+
+
+class RetainedStoreMetrics(Collector):
+    """``kvindex_retained_redis_errors_total``: the store's calls that could not reach its Redis server
+    (answered as an empty store), read at scrape time.  ``namespace`` prefixes the name, as
+    :class:`kvindex.facade.metrics.KVIndexMetrics` does."""
+
+    def __init__(self, store: RedisRetainedStore, namespace: str | None = None) -> None:
+        self._store = store
+        self._name = "kvindex_retained_redis_errors" if namespace is None else f"{namespace}_kvindex_retained_redis_errors"
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, "Retained-store calls that could not reach Redis.")]
+
+    def collect(self) -> list[CounterMetricFamily]:
+        f = CounterMetricFamily(self._name, "Retained-store calls that could not reach Redis.")
+        f.add_metric([], self._store.link.error_count)
+        return [f]

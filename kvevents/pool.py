@@ -57,6 +57,7 @@ import zmq
 from kvevents.messages import _STOP, DECODERS, RawMessage, Source, StoreObserver, _Bootstrap, _Disconnected
 from kvevents.messages import _Dropped as _Dropped
 from kvevents.messages import _Flush, _Forget, _Reconnected
+from kvevents.misconfig import ConfigCheck
 from kvevents.shards import _Shard
 from kvevents.stats import PoolStats, RateLimitedLog, StreamCounters, StreamState, _Counters
 from kvevents.wire import parse_topic
@@ -110,6 +111,9 @@ class EventPool:
             effect later than the last check leaves that batch lost until the
             engine's next message.
         zmq_context: context for replay sockets (default: the process's).
+        config_check: what each stream's engine is checked against (block
+            size, engine-hash algorithm, model; see :mod:`kvevents.misconfig`);
+            default: the index's token processor, no expected model.
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
     wait until everything queued so far is applied, ``stop()``.
@@ -129,6 +133,7 @@ class EventPool:
         rejoin_checks: int = 6,
         rejoin_check_delay: float = 0.2,
         zmq_context: zmq.Context | None = None,
+        config_check: ConfigCheck | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -160,6 +165,7 @@ class EventPool:
         self.replay_retry_delay = replay_retry_delay
         self.replay_retry_max_delay = replay_retry_max_delay
         self.zmq_context = zmq_context or zmq.Context.instance()
+        self.config_check = config_check or ConfigCheck(getattr(index, "token_processor", None))
         self.rlog = RateLimitedLog(log)
         self._dropped = 0
         self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
@@ -365,12 +371,14 @@ class EventPool:
                 total.errors_by_kind[k] = total.errors_by_kind.get(k, 0) + v
                 total.decode_errors += v
             dropped = self._dropped
+        states = self.completeness()
         return PoolStats(
             **{n: getattr(total, n) for n in _Counters.__slots__},
             dropped_messages=dropped,
             orphans=self.index.stats().orphans,
             queued=queued,
-            incomplete_streams=sum(1 for s in self.completeness() if not s.complete),
+            incomplete_streams=sum(1 for s in states if not s.complete),
+            misconfigured_streams=sum(1 for s in states if s.misconfigured),
         )
 
     def pending_retries(self) -> int:
@@ -414,8 +422,11 @@ class EventPool:
             for st in list(s.streams.values()):
                 if pod is None or st.pod == pod:
                     sq = st.seq
+                    bad = st.check.problems
                     out.append(StreamState(
-                        st.pod, st.model, st.rank, sq.complete, st.complete_since, sq.last, st.why, st.losses, sq.last_ts
+                        st.pod, st.model, st.rank, sq.complete and not bad, st.complete_since, sq.last,
+                        "; ".join(p.message for p in bad) if bad else st.why, st.losses, sq.last_ts,
+                        tuple(p.reason for p in bad),
                     ))
         out.sort(key=lambda x: (x.pod, x.model or "", x.dp_rank))
         return out

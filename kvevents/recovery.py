@@ -20,6 +20,7 @@ import zmq
 
 from kvevents.actions import Action
 from kvevents.events import EventBatch
+from kvevents.misconfig import ConfigCheck
 from kvevents.messages import Source, StoreObserver, _as_batch, _Bootstrap
 from kvevents.replay import ReplayClient, ReplayCut
 from kvevents.sequencer import backoff
@@ -44,6 +45,7 @@ class ShardHost(Protocol):
     rejoin_checks: int
     rejoin_check_delay: float
     rlog: RateLimitedLog
+    config_check: ConfigCheck
 
     def route(self, source: Source, topic: bytes) -> tuple[str | None, str | None]: ...
 

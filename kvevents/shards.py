@@ -168,7 +168,8 @@ class _Shard(_Recovery):
         st = self.streams.get(key)
         if st is None:
             st = self.streams[key] = _Stream(
-                pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries
+                pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries,
+                self.pool.config_check.stream(pod, model, rank, source.model),
             )
         return st
 
@@ -223,6 +224,7 @@ class _Shard(_Recovery):
                     "clear", "pod %s model %s rank %s: clearing (%s)", st.pod, st.model, st.rank, a.why
                 )
                 st.losses += 1
+                st.check.rearm()
                 try:
                     self.pool.index.clear(st.pod, st.rank, model=st.model)
                 except IndexUnavailable as exc:
@@ -279,8 +281,13 @@ class _Shard(_Recovery):
             into = st.removed
             for tier, k in r.removed_by_tier.items():
                 into[tier] = into.get(tier, 0) + k
-        for msg in r.errors:
-            self._error("apply", f"pod {pod}: event not applied: {msg}")
+        if r.errors or st.check.watching:
+            st.check.events(batch.events)
+        if st.check.problems and r.errors:  # logged once by the check: only counted here
+            self._error("misconfigured", "", len(r.errors), quiet=True)
+        else:
+            for msg in r.errors:
+                self._error("apply", f"pod {pod}: event not applied: {msg}")
         if r.unavailable is not None:
             # the rest of the batch was not applied either (order matters); the stream is rebuilt
             self._index_failed(st, f"pod {pod}: {r.left} event(s) not applied: {r.unavailable}", r.left)
@@ -300,9 +307,10 @@ class _Shard(_Recovery):
             except Exception as exc:
                 self._error("observer", f"store observer {fn!r} failed: {type(exc).__name__}: {exc}")
 
-    def _error(self, kind: str, msg: str, n: int = 1) -> None:
+    def _error(self, kind: str, msg: str, n: int = 1, quiet: bool = False) -> None:
         c = self.c
         c.decode_errors += n
         c.errors_by_kind[kind] = c.errors_by_kind.get(kind, 0) + n
-        self.pool.rlog.warn(kind, "kvevents: %s", msg)
+        if not quiet:
+            self.pool.rlog.warn(kind, "kvevents: %s", msg)
 

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from kvevents.misconfig import ConfigCheck, StreamCheck
 from kvevents.sequencer import Sequencer
 
 __all__ = ["PoolStats", "RateLimitedLog", "StreamCounters", "StreamState"]
@@ -48,7 +49,10 @@ class PoolStats(msgspec.Struct, frozen=True):
     streams whose completeness flag is false now (see
     :meth:`EventPool.completeness`); index_unavailable: events not applied
     because the index's store (Redis) was unreachable; rebuilds: streams
-    cleared and rebuilt from the engine's buffer after such a loss.
+    cleared and rebuilt from the engine's buffer after such a loss;
+    misconfigured_streams: streams whose engine's configuration does not
+    match ours (``StreamState.misconfigured``; their refused events count
+    as kind ``misconfigured``).
     """
 
     messages: int
@@ -79,6 +83,7 @@ class PoolStats(msgspec.Struct, frozen=True):
     replay_retries: int = 0
     deferred: int = 0
     replay_cuts: int = 0
+    misconfigured_streams: int = 0
 
 
 class RateLimitedLog:
@@ -110,11 +115,12 @@ class _Stream:
 
     __slots__ = (
         "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses",
-        "messages", "batches", "events", "clears", "stored", "removed",
+        "messages", "batches", "events", "clears", "stored", "removed", "check",
     )
 
     def __init__(
-        self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str, max_retries: int = 10
+        self, pod: str, model: str | None, rank: int, replay_endpoint: str | None, engine: str, max_retries: int = 10,
+        check: StreamCheck | None = None,
     ) -> None:
         self.pod = pod
         self.model = model
@@ -132,6 +138,7 @@ class _Stream:
         self.stored: dict[str, int] = {}  # tier -> blocks stored
         self.removed: dict[str, int] = {}  # tier -> blocks removed
         self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
+        self.check = check if check is not None else ConfigCheck(None).stream(pod, model, rank)
 
 
 class StreamCounters(NamedTuple):
@@ -175,6 +182,9 @@ class StreamState(NamedTuple):
         incomplete, was cleared, or applied a batch with a malformed event);
         a change means a new loss even while the stream stays incomplete.
     last_ts: the engine timestamp of the batch at ``last_seq`` (None with it).
+    misconfigured: the reasons (:data:`kvevents.misconfig.REASONS`) the
+        engine's configuration does not match ours; while any, ``complete``
+        is False and ``why`` says what to set.
     """
 
     pod: str
@@ -186,6 +196,7 @@ class StreamState(NamedTuple):
     why: str
     losses: int = 0
     last_ts: float | None = None
+    misconfigured: tuple[str, ...] = ()
 
 
 class _Counters:

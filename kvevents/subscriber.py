@@ -43,9 +43,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvevents.pool import EventPool, RawMessage, Source
 
-__all__ = ["EngineEndpoint", "Subscriber", "offset_port"]
+__all__ = ["EngineEndpoint", "Subscriber", "offset_port", "endpoint_problem", "check_endpoint", "check_engine"]
 
 log = logging.getLogger("kvevents.subscriber")
+
+# monitor events that end a connection attempt without a handshake
+_ATTEMPT_FAILED = (
+    zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 class EngineEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,6 +96,65 @@ class EngineEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ]
 
 
+ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def endpoint_problem(endpoint: object, *, bind: bool = False) -> str | None:
+    """What is wrong with a ZMQ endpoint, or None when it is usable.
+
+    Accepted: ``tcp://host:port`` (host a name, an IPv4 address or a
+    bracketed IPv6 one; port 1..65535), ``tcp://*:port`` only where we bind
+    (``bind=True``: a wildcard host cannot be connected to), ``ipc://path``
+    and ``inproc://name``.
+    """
+    if not isinstance(endpoint, str):
+        return f"must be a str, got {type(endpoint).__name__}"
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        hint = f" (e.g. tcp://{endpoint})" if ":" in endpoint else ""
+        return f"{endpoint!r} has no scheme{hint}: use tcp://host:port, ipc://path or inproc://name"
+    if scheme not in ENDPOINT_SCHEMES:
+        return f"{endpoint!r}: unknown scheme {scheme!r} (expected one of {', '.join(ENDPOINT_SCHEMES)})"
+    if not rest:
+        return f"{endpoint!r}: empty address"
+    if scheme != "tcp":
+        return None
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        return f"{endpoint!r}: a tcp endpoint needs host:port"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        return f"{endpoint!r}: port {port!r} is not in 1..65535"
+    if host.startswith("["):
+        if not host.endswith("]") or len(host) < 3:
+            return f"{endpoint!r}: unbalanced brackets around the IPv6 host"
+    elif ":" in host:
+        return f"{endpoint!r}: put an IPv6 host in brackets, e.g. tcp://[::1]:{port}"
+    if not bind and host in ("*", "[::]"):
+        return f"{endpoint!r}: a wildcard host can only be bound; name the engine's host"
+    if any(c.isspace() or c in "/;" for c in host):
+        return f"{endpoint!r}: invalid host {host!r}"
+    return None
+
+
+def check_endpoint(endpoint: object, field: str, *, bind: bool = False) -> None:
+    """Raise ValueError naming ``field`` when :func:`endpoint_problem` finds one."""
+    problem = endpoint_problem(endpoint, bind=bind)
+    if problem is not None:
+        raise ValueError(f"{field}: {problem}")
+
+
+def check_engine(engine: EngineEndpoint, field: str = "engine") -> None:
+    """Raise ValueError naming ``field``.endpoint / .replay_endpoint when one is not usable."""
+    check_endpoint(engine.endpoint, f"{field}.endpoint")
+    if engine.replay_endpoint is not None:
+        check_endpoint(engine.replay_endpoint, f"{field}.replay_endpoint")
+    if engine.dp_size > 1:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(engine, name)
+            if value is not None and not value.startswith("tcp://"):
+                raise ValueError(f"{field}.{name}: dp_size > 1 needs a tcp endpoint (ranks use port + rank)")
+
+
 def offset_port(endpoint: str, offset: int) -> str:
     """``tcp://host:port`` with ``offset`` added to the port (vLLM's per-DP-rank ports).
 
@@ -109,7 +174,7 @@ def offset_port(endpoint: str, offset: int) -> str:
 class _Link:
     """One connect-mode subscription as its connection monitor sees it."""
 
-    __slots__ = ("sock", "pod", "rank", "bootstrap", "up", "dropped")
+    __slots__ = ("sock", "pod", "rank", "bootstrap", "up", "dropped", "failed")
 
     def __init__(self, sock: zmq.Socket, pod: str, rank: int, bootstrap: Source | None) -> None:
         self.sock = sock
@@ -118,6 +183,7 @@ class _Link:
         self.bootstrap = bootstrap  # the source to replay from once the handshake is done (None: no replay)
         self.up = False  # the handshake has completed at least once
         self.dropped = False  # the connection dropped and is not back yet
+        self.failed = False  # a connection attempt ended without a handshake (refused, unresolvable, timed out)
 
 
 class Subscriber:
@@ -138,6 +204,10 @@ class Subscriber:
         max_message_bytes: a larger message makes ZMQ drop that connection
             (it reconnects; the pool then checks the engine as after any
             disconnect), so one hostile peer cannot exhaust memory.
+        connect_timeout: seconds one TCP connection attempt may take before
+            it counts as failed and is tried again (ZMQ's CONNECT_TIMEOUT), so
+            an address that drops packets settles (:meth:`wait_settled`) like
+            one that refuses; 0: the operating system's timeout.
     """
 
     def __init__(
@@ -153,7 +223,11 @@ class Subscriber:
         rcvhwm: int = 100_000,
         max_sockets: int = 65_536,
         max_message_bytes: int = 64 << 20,
+        connect_timeout: float = 0.0,
     ) -> None:
+        if not 0 <= connect_timeout < 3600:
+            raise ValueError(f"connect_timeout must be in [0, 3600) seconds, got {connect_timeout}")
+        self._connect_timeout_ms = int(connect_timeout * 1000)
         self._max_msg = max_message_bytes
         self.pool = pool
         self._own_ctx = context is None
@@ -210,6 +284,9 @@ class Subscriber:
     def add_engine(self, engine: EngineEndpoint) -> None:
         """Subscribe to one more engine (takes effect within one poll interval; :meth:`wait_connected`
         waits for it too)."""
+        if not isinstance(engine, EngineEndpoint):
+            raise TypeError(f"add_engine takes an EngineEndpoint, got {type(engine).__name__}")
+        check_engine(engine)
         with self._links_lock:
             self._pending[engine.pod] = engine
         self._commands.put(("add", engine))
@@ -238,10 +315,12 @@ class Subscriber:
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
             sock.setsockopt(zmq.SUBSCRIBE, eng.topic.encode())
+            if self._connect_timeout_ms:
+                sock.setsockopt(zmq.CONNECT_TIMEOUT, self._connect_timeout_ms)
             # monitored before connecting, so the first handshake is seen: it starts the stream
             # (bootstrap); a dropped connection may be an engine restart: the pool checks the
-            # engine when the connection is back
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            # engine when the connection is back; a failed attempt settles the subscription
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _ATTEMPT_FAILED)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:
@@ -312,7 +391,10 @@ class Subscriber:
         try:
             while mon.poll(0):
                 event = recv_monitor_message(mon, zmq.NOBLOCK)
-                if event["event"] == zmq.EVENT_DISCONNECTED:
+                if event["event"] & _ATTEMPT_FAILED:
+                    link.failed = True
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    link.failed = True
                     self.disconnects += 1
                     link.dropped = True
                     self.pool.disconnected(link.pod, link.rank)
@@ -361,6 +443,31 @@ class Subscriber:
         deadline = time.monotonic() + timeout
         while True:
             if all(self.connected().values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll)
+
+    def settled(self) -> dict[tuple[str, int], bool]:
+        """(pod, dp_rank) -> whether that connect-mode subscription's first connection attempt has ended:
+        up (see :meth:`connected`), or failed (refused, unresolvable, timed out; retried in the background)."""
+        with self._links_lock:
+            out = {(pod, rank): False for pod, eng in self._pending.items() for rank, _ep, _rp in eng.ranks()}
+            out.update({(link.pod, link.rank): link.up or link.failed for link in self._monitors.values()})
+            return out
+
+    def wait_settled(self, timeout: float = 10.0, poll: float = 0.005) -> bool:
+        """Block until every connect-mode subscription is up or has failed a connection attempt.
+
+        A reachable engine handshakes and one that refuses fails within
+        milliseconds; an address that drops packets fails after the
+        ``connect_timeout`` given to the subscriber.  Returns False after
+        ``timeout`` seconds otherwise.  An engine up by then has had its
+        bootstrap replay queued in the pool.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if all(self.settled().values()):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -82,6 +82,9 @@ raise :class:`kvindex.contract.IndexUnavailable` (counted in
 incomplete stream that is rebuilt from the engine's replay buffer once
 :meth:`writable` answers True.  After an error, calls fail fast for
 ``retry_interval`` seconds (no connect timeout per call during an outage).
+An outage is logged once when it starts (with the server's URL) and once when
+it ends (:class:`kvindex.redis_conn.RedisLink`); ``redis_errors`` is exported
+as ``kvindex_index_redis_errors_total``.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ from kvindex.contract import ALL_MODELS, IndexStats, PodEntry
 from kvindex.side_tables import SideTables, _Orphan, checked_store
 from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
+from kvindex.redis_conn import RedisLink
 from kvindex.redis_lua import SCRIPTS
 from kvindex.tiers import GPU, tier_bit, tier_names
 
@@ -116,16 +120,6 @@ def _bit(tier: str) -> int:
     if b > _MAX_BIT:
         raise ValueError(f"the Redis backend holds at most 31 tiers; {tier!r} is beyond")
     return b
-
-
-def _no_retry_after_timeout(redis: Any) -> Any:
-    """One immediate retry after a connection error, none after a timeout.
-
-    A call that timed out may still run on a slow server; sent again, a
-    script that is not idempotent (``add_held`` counts references,
-    ``take`` spends a use) would run twice.
-    """
-    return redis.retry.Retry(redis.backoff.NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
 
 
 def _ints(values: Iterable[Any]) -> list[int]:
@@ -178,22 +172,11 @@ class RedisKVBlockIndex(SideTables):
             raise ValueError("key_prefix must be non-empty and hold no NUL")
         if held_ttl is not None and not 0 < held_ttl < 86_400 * 30:
             raise ValueError(f"held_ttl must be in (0, 30 days), got {held_ttl}")
-        import redis  # the optional dependency: only this backend needs it
-
-        # a server that answers with an error instead of data is unavailable too: BUSY (another client's
-        # script ran past busy-reply-threshold), OOM (maxmemory reached), READONLY (a replica after a
-        # failover), LOADING, or a script that failed midway (a script's writes are not rolled back)
-        self._redis_errors_types = (
-            redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError
+        self.link = RedisLink(
+            "kvindex index", url=url, client=client, socket_timeout=socket_timeout, retry_interval=retry_interval
         )
-        if client is None:
-            if url is None:
-                raise ValueError("the Redis index needs a url or a client")
-            client = redis.Redis.from_url(
-                url, socket_timeout=socket_timeout, socket_connect_timeout=min(socket_timeout, 0.5),
-                retry=_no_retry_after_timeout(redis), health_check_interval=0,
-            )
-        self.client = client
+        self._redis_errors_types = self.link.errors
+        self.client = client = self.link.client
         self.token_processor = token_processor or TokenProcessor()
         self.block_size = self.token_processor.block_size
         self.capacity = capacity
@@ -209,7 +192,6 @@ class RedisKVBlockIndex(SideTables):
         self._model_ids: dict[str | None, int] = {None: 0}
         self._model_names: dict[int, str | None] = {0: None}
         self._models: set[str | None] = set()
-        self._down_until = 0.0
         #: incremented each time this process finds the shared index lost its data (see :meth:`_check_epoch`)
         self.generation = 0
         self._epoch: bytes | None = None
@@ -228,7 +210,6 @@ class RedisKVBlockIndex(SideTables):
                 "speculative_confirmed",
                 "speculative_expired",
                 "clears",
-                "redis_errors",
                 "dropped_writes",
             ),
             0,
@@ -247,7 +228,7 @@ class RedisKVBlockIndex(SideTables):
         the server cannot be reached or fails (both counted).
         """
         now = time.monotonic()
-        if now < self._down_until:
+        if self.link.down():
             return self._failed(write, None)
         try:
             if now >= self._next_epoch_check:
@@ -258,17 +239,19 @@ class RedisKVBlockIndex(SideTables):
                 if mid is None:  # forgotten by the epoch check just now: the id in args is the old data's
                     return self._failed(write, IndexUnavailable("the model ids changed (the server lost its data)"))
                 prefix = f"{prefix}\0{model}\0{mid}"
-            return self._scripts[name](args=(prefix, *args))
+            out = self._scripts[name](args=(prefix, *args))
         except self._redis_errors_types as exc:
-            self._down_until = time.monotonic() + self.retry_interval
             self._next_epoch_check = 0.0  # the server may come back empty
             if "STALEMODEL" in str(exc):
                 with self._lock:
                     self._forget_models()
             return self._failed(write, exc)
+        self.link.succeeded()
+        return out
 
     def _failed(self, write: bool, exc: BaseException | None) -> None:
-        self._c["redis_errors"] += 1
+        """Count a failed call (``exc``: the server failed just now; None: failing fast); a write raises."""
+        self.link.failed(exc if isinstance(exc, self._redis_errors_types) else None)
         if write:
             self._c["dropped_writes"] += 1
             raise IndexUnavailable(f"Redis unreachable: {exc or 'in retry interval'}") from exc
@@ -309,16 +292,16 @@ class RedisKVBlockIndex(SideTables):
 
     def writable(self) -> bool:
         """True when the server answers a PING now (False during ``retry_interval`` after an error)."""
-        if time.monotonic() < self._down_until:
+        if self.link.down():
             return False
         try:
             self.client.ping()
             self._check_epoch()
-            return True
-        except self._redis_errors_types:
-            self._down_until = time.monotonic() + self.retry_interval
-            self._c["redis_errors"] += 1
+        except self._redis_errors_types as exc:
+            self.link.failed(exc)
             return False
+        self.link.succeeded()
+        return True
 
     def _now_args(self) -> str:
         return "" if self._clock is None else repr(float(self._clock()))
@@ -341,13 +324,7 @@ class RedisKVBlockIndex(SideTables):
 
     def _safe(self, fn: Callable[[], Any]) -> Any:
         """A plain read command: its answer, or None (counted) when the server is unreachable."""
-        if time.monotonic() < self._down_until:
-            return self._failed(False, None)
-        try:
-            return fn()
-        except self._redis_errors_types as exc:
-            self._down_until = time.monotonic() + self.retry_interval
-            return self._failed(False, exc)
+        return self.link.call(fn)
 
     def _store(
         self, pod: str, rank: int, mid: int, bit: int, eks: Sequence[int], rks: Sequence[int], model: str | None
@@ -653,6 +630,7 @@ class RedisKVBlockIndex(SideTables):
                 pods=pods,
                 orphan_blocks=self._orphan_blocks,
                 speculative=spec,
+                redis_errors=self.link.error_count,
                 **self._c,
             )
 

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from kvevents.subscriber import EngineEndpoint
+from kvevents.subscriber import EngineEndpoint, check_endpoint, check_engine
 from kvindex.keys import ALGORITHMS
 from kvindex.factory import BACKENDS
 from kvevents.pool import DECODERS
@@ -147,6 +147,10 @@ class KVEventsConfig(_Base, frozen=True):
 
     engines: connect mode, one entry per engine endpoint (engines bind).
     zmq_endpoint: bind mode address (engines dial in), e.g. ``tcp://*:5557``.
+    Every endpoint is checked here (ValueError naming the field, e.g.
+    ``kv_events_config.engines[0].endpoint``): ``tcp://host:port``,
+    ``ipc://path`` or ``inproc://name``; a wildcard host (``tcp://*:port``)
+    only in ``zmq_endpoint``, which we bind.
     bind_replay: bind mode: pod -> replay endpoint (DP rank 0; rank r at port + r).
     engine: payload format in bind mode (``vllm`` or ``sglang``).
     concurrency: pool shards; queue_size: per-shard bound in messages;
@@ -159,11 +163,15 @@ class KVEventsConfig(_Base, frozen=True):
     engine's first live message (a batch published between the handshake
     and the publisher taking the subscription is lost live; see
     :class:`kvevents.pool.EventPool`).
-    connect_timeout: seconds :meth:`indexer.Indexer.start` waits for every
-    engine subscription to be up (connect mode; 0: do not wait).  The
-    bootstrap replay is asked once a subscription is up, so a ``flush()``
-    after ``start()`` then covers what the engines buffer.  An engine still
-    down by then is logged (a warning) and subscribed to in the background.
+    connect_timeout: seconds one TCP connection attempt to an engine may
+        take (then it counts as failed and is retried in the background).
+        :meth:`indexer.Indexer.start` waits only while first attempts are in
+        flight: a reachable engine answers and a refusing one fails within
+        milliseconds, so only an address that drops packets makes it wait,
+        this long at most (0: no wait, the OS's connect timeout).  An engine
+        up when start() returns has had its bootstrap replay queued, so a
+        ``flush()`` then covers what it buffers; the others are named in a
+        warning (``Indexer.wait_connected`` waits for them).
     """
 
     engines: list[EngineEndpoint] = msgspec.field(default_factory=list)
@@ -194,6 +202,12 @@ class KVEventsConfig(_Base, frozen=True):
             raise ValueError(f"rejoin_checks must be >= 0, got {self.rejoin_checks}")
         if not 0 <= self.connect_timeout < 3600:
             raise ValueError(f"connect_timeout must be in [0, 3600) seconds, got {self.connect_timeout}")
+        for i, eng in enumerate(self.engines):
+            check_engine(eng, f"kv_events_config.engines[{i}]")
+        if self.zmq_endpoint is not None:
+            check_endpoint(self.zmq_endpoint, "kv_events_config.zmq_endpoint", bind=True)
+        for pod, ep in self.bind_replay.items():
+            check_endpoint(ep, f"kv_events_config.bind_replay[{pod!r}]")
         pods = [e.pod for e in self.engines]
         if len(set(pods)) != len(pods):
             raise ValueError("each engine entry needs its own pod id (use dp_size for DP ranks)")

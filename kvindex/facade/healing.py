@@ -18,7 +18,8 @@ model) stream, whether to ask for the full report:
   (:meth:`kvevents.pool.EventPool.completeness`): the router joined after the
   engine's seq 0 left its replay buffer (``buffer_steps``), a gap the replay
   could not cover, a dropped message not yet replayed, a reconnect without
-  replay, or a malformed event.  A stream the pool has not seen yet does
+  replay, or a malformed event (not while its engine is misconfigured:
+  a full report cannot mend that).  A stream the pool has not seen yet does
   not (an engine that published nothing has nothing cached; one whose
   replay endpoint failed or that has none shows up incomplete with its
   first message).  A stream that becomes complete again
@@ -201,7 +202,7 @@ class HealingPolicy:
     def _episode(self, s: StreamState) -> _Episode | None:
         """The stream's live episode (made or renewed as its state says); None when complete. Lock held."""
         key = (s.pod, s.model, s.dp_rank)
-        if s.complete:
+        if s.complete or s.misconfigured:  # a full report cannot mend a configuration
             self._episodes.pop(key, None)
             return None
         ep = self._episodes.get(key)

@@ -17,9 +17,11 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
@@ -30,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from kvindex.facade.config import Config
 from kvindex.facade.flush import FlushReport, flush_engines
 from kvindex.facade.metrics import KVIndexMetrics
+from kvevents.misconfig import ConfigCheck
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.contract import IndexStats, KVIndex, TokenMatch
@@ -43,6 +46,25 @@ from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_fr
 __all__ = ["Indexer", "Score", "IndexerStats", "FlushReport"]
 
 log = logging.getLogger("indexer")
+
+#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`)
+_RUNNING: weakref.WeakSet[Indexer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+    """Stop every indexer still running when the interpreter exits.
+
+    Their workers are daemon threads: left running, the interpreter freezes
+    them with their frames, which keep the index (and the compiled core's
+    objects) alive past finalisation, and nanobind reports them as leaked.
+    Stopping joins the threads, so everything is freed in order.
+    """
+    for ix in list(_RUNNING):
+        try:
+            ix.stop()
+        except Exception:  # exiting: nothing left to tell
+            log.debug("stopping an indexer at exit failed", exc_info=True)
 
 
 class Score(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,11 +101,26 @@ class Score(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class IndexerStats(msgspec.Struct, frozen=True):
-    """Index and write-path counters together (see IndexStats and PoolStats)."""
+    """Index and write-path counters together (see IndexStats and PoolStats).
+
+    misconfigured: the streams whose engine's configuration does not match
+    ours (block size, engine-hash algorithm, model), each with its reasons
+    (``StreamState.misconfigured``) and what to set (``why``).
+    """
 
     index: IndexStats
     events: PoolStats
     received_messages: int
+    misconfigured: tuple[StreamState, ...] = ()
+
+
+def _checked_loads(loads: object) -> Mapping[str, LoadSnapshot]:
+    """``loads`` as given to :meth:`Indexer.score`; TypeError unless it maps str to LoadSnapshot."""
+    if not isinstance(loads, Mapping) or not all(
+        isinstance(p, str) and isinstance(v, LoadSnapshot) for p, v in loads.items()
+    ):
+        raise TypeError("loads must map pod ids (str) to LoadSnapshot")
+    return loads
 
 
 class Indexer:
@@ -94,12 +131,29 @@ class Indexer:
             no engines).
         index: use this index (any :class:`kvindex.contract.KVIndex`) instead of
             building the one ``kv_block_index_config.backend`` names.
+        metrics_registry: register the library's metrics (:attr:`metrics`)
+            there now (as :meth:`register_metrics`); None: not registered.
+        metrics_namespace: prefix of this indexer's metric names
+            (``<namespace>_kvindex_...``; see
+            :class:`~kvindex.facade.metrics.KVIndexMetrics`): give each
+            indexer of one process its own to serve them from one registry.
 
     The write path runs only between :meth:`start` and :meth:`stop`; the read
     path (:meth:`score`) works at any time on whatever the index holds.
     """
 
-    def __init__(self, config: Config | None = None, *, index: KVIndex | None = None) -> None:
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        index: KVIndex | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        metrics_namespace: str | None = None,
+    ) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a Config, got {type(config).__name__}")
+        if metrics_registry is not None and not isinstance(metrics_registry, CollectorRegistry):
+            raise TypeError(f"metrics_registry must be a prometheus_client CollectorRegistry, got {type(metrics_registry).__name__}")
         self.config = cfg = config or Config()
         tpc = cfg.token_processor_config
         self.token_processor = (
@@ -113,27 +167,12 @@ class Indexer:
                 lora_paths=tpc.lora_paths,
             )
         )
-        mem = cfg.kv_block_index_config.in_memory_config
-        if index is None and cfg.kv_block_index_config.backend == "redis":
-            from kvindex.redis_index import RedisKVBlockIndex
-
-            rc = cfg.kv_block_index_config.redis_config
-            index = RedisKVBlockIndex(
-                self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks, url=rc.url,
-                key_prefix=rc.key_prefix, held_ttl=rc.held_ttl, socket_timeout=rc.socket_timeout,
-                retry_interval=rc.retry_interval,
-            )
-        self.index: KVIndex = index if index is not None else make_index(
-            cfg.kv_block_index_config.backend,
-            self.token_processor,
-            capacity=mem.size,
-            max_orphan_blocks=mem.max_orphan_blocks,
-        )
+        self.index: KVIndex = index if index is not None else self._build_index()
         ev = cfg.kv_events_config
         self.pool = EventPool(
             self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout,
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
-            rejoin_checks=ev.rejoin_checks,
+            rejoin_checks=ev.rejoin_checks, config_check=ConfigCheck(self.token_processor, cfg.model_name),
         )
         # pod -> its entry, the model filled in: blocks of a topic that names no model are filed under it
         self._engines = {e.pod: self._with_model(e) for e in ev.engines}
@@ -144,18 +183,11 @@ class Indexer:
             bind_replay=ev.bind_replay,
             bind_engine=ev.engine,
             bind_model=cfg.model_name,
+            connect_timeout=ev.connect_timeout,
         )
         sc = cfg.scorer_config
         self.tier_weights = TierWeights(sc.tier_weights)
-        self.picker: WeightedPicker | TTFTPicker
-        if sc.picker == "ttft":
-            self.picker = TTFTPicker(
-                kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve
-            )
-        else:
-            self.picker = WeightedPicker(
-                PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
-            )
+        self.picker: WeightedPicker | TTFTPicker = self._build_picker()
         self.speculative_ttl = sc.speculative_ttl
         self._bit_weight_cache: list[float] = []
         self._best_tier_cache: dict[int, str | None] = {}
@@ -168,41 +200,79 @@ class Indexer:
         self._merged: dict[str, LoadSnapshot] = {}
         self._empty_prefix: dict[str, PrefixScore] = {}  # pod -> its no-match score (immutable)
         self._lock = threading.Lock()
+        # pods of the configured engines (plus add_engine, minus remove_engine): candidates of every score
+        self._configured_pods: frozenset[str] = frozenset([e.pod for e in ev.engines] + list(ev.bind_replay))
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
         self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
-        self.metrics = KVIndexMetrics(self)
+        self.metrics = KVIndexMetrics(self, namespace=metrics_namespace)
+        if metrics_registry is not None:
+            self.metrics.register(metrics_registry)
+
+    def _build_index(self) -> KVIndex:
+        """The index ``kv_block_index_config`` names, on :attr:`token_processor`."""
+        ic = self.config.kv_block_index_config
+        mem = ic.in_memory_config
+        if ic.backend == "redis":
+            from kvindex.redis_index import RedisKVBlockIndex
+
+            rc = ic.redis_config
+            return RedisKVBlockIndex(
+                self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks, url=rc.url,
+                key_prefix=rc.key_prefix, held_ttl=rc.held_ttl, socket_timeout=rc.socket_timeout,
+                retry_interval=rc.retry_interval,
+            )
+        return make_index(ic.backend, self.token_processor, capacity=mem.size, max_orphan_blocks=mem.max_orphan_blocks)
+
+    def _build_picker(self) -> WeightedPicker | TTFTPicker:
+        """The picker ``scorer_config`` names."""
+        sc = self.config.scorer_config
+        if sc.picker == "ttft":
+            return TTFTPicker(kv_pressure=sc.kv_pressure, kv_stall=sc.kv_stall, decode_reserve=sc.decode_reserve)
+        return WeightedPicker(
+            PickerWeights(prefix=sc.weights.prefix, kv_usage=sc.weights.kv_usage, queue=sc.weights.queue)
+        )
 
     # -- lifecycle
 
     def start(self) -> Indexer:
         """Start the pool workers and the subscriber (opens the ZMQ sockets).
 
-        Returns once every engine subscription is up, or after
-        ``kv_events_config.connect_timeout`` seconds (a warning names the
-        engines still down; they are subscribed to in the background).  A
-        :meth:`flush` then covers the engines' bootstrap replays.
+        Never waits for an engine that cannot be reached: it returns once
+        each engine subscription's first connection attempt has ended, up
+        (a reachable engine handshakes within milliseconds; its bootstrap
+        replay is then queued, so a :meth:`flush` after ``start()`` covers
+        what it buffers) or failed (refused, unresolvable: at once; an
+        address dropping packets: after ``kv_events_config.connect_timeout``,
+        the bound of one TCP attempt).  Engines not up are named in one
+        warning and subscribed to in the background; :meth:`wait_connected`
+        is the explicit wait for them.
         """
         self.pool.start()
         self.subscriber.start()
+        _RUNNING.add(self)
         wait = self.config.kv_events_config.connect_timeout
-        if wait > 0 and not self.subscriber.wait_connected(wait):
+        if wait > 0:
+            self.subscriber.wait_settled(wait + 1.0)  # an attempt ends within connect_timeout
             down = sorted({pod for (pod, _rank), up in self.subscriber.connected().items() if not up})
-            log.warning("KV-event publishers not up after %.1f s (subscribing in the background): %s", wait, down)
+            if down:
+                log.warning("KV-event publishers not reachable yet (subscribing in the background): %s", down)
         return self
 
     def wait_connected(self, timeout: float = 10.0) -> bool:
         """Block until every engine subscription has been up at least once; False after ``timeout`` s.
 
-        :meth:`start` already waits for the engines of the config; call this
-        (then :meth:`flush`) after :meth:`add_engine` to have a new engine's
-        buffered events before scoring on it.  See
+        :meth:`start` waits only for engines that answer at once; call this
+        (then :meth:`flush`) to wait for engines that were not reachable yet,
+        or after :meth:`add_engine` to have a new engine's buffered events
+        before scoring on it.  See
         :meth:`kvevents.subscriber.Subscriber.wait_connected`.
         """
         return self.subscriber.wait_connected(timeout)
 
     def stop(self) -> None:
-        """Stop receiving, then stop the workers after what is queued."""
+        """Stop receiving, then stop the workers after what is queued (also done at interpreter exit)."""
+        _RUNNING.discard(self)
         self.subscriber.stop()
         self.pool.stop()
 
@@ -219,17 +289,26 @@ class Indexer:
         return engine
 
     def add_engine(self, engine: EngineEndpoint) -> None:
-        """Subscribe to one more engine while running (its ``model`` defaults to ``config.model_name``)."""
+        """Subscribe to one more engine while running.
+
+        Its ``model`` defaults to ``config.model_name``; its pod is a
+        candidate of every score from now.  Raises TypeError / ValueError
+        for a bad engine entry.
+        """
+        if not isinstance(engine, EngineEndpoint):
+            raise TypeError(f"add_engine takes an EngineEndpoint, got {type(engine).__name__}")
         engine = self._with_model(engine)
+        self.subscriber.add_engine(engine)
         with self._lock:
             self._engines[engine.pod] = engine
-        self.subscriber.add_engine(engine)
+            self._configured_pods = self._configured_pods | {engine.pod}
 
     def remove_engine(self, pod: str) -> None:
         """Unsubscribe from ``pod`` and forget its blocks and load."""
         self.subscriber.remove_engine(pod)
         with self._lock:
             self._engines.pop(pod, None)
+            self._configured_pods = self._configured_pods - {pod}
             self._loads.pop(pod, None)
             self._in_flight.pop(pod, None)
             self._merged.pop(pod, None)
@@ -332,7 +411,9 @@ class Indexer:
         Args:
             tokens: the prompt's token ids (list or 1-D integer array), as the
                 engine will see them (chat template applied).
-            pods: candidate pods; None = every pod the index or the load table knows.
+            pods: candidate pods; None = every pod the index, the load table
+                or the configuration (engines, ``bind_replay``, :meth:`add_engine`)
+                knows, so an idle configured pod holding nothing is a candidate.
             model, lora: key scope (model defaults to ``config.model_name``).
             block_extra_keys, cache_salt: see kvindex.keys.TokenProcessor.
             loads: load per pod; None = the indexer's own table
@@ -347,45 +428,19 @@ class Indexer:
         """
         t0 = time.perf_counter()
         fast = self._token_match and block_extra_keys is None and not cache_salt
-        if not fast:
-            keys = self.request_keys(
-                tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
-            )
+        keys = None if fast else self.request_keys(
+            tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+        )
         mname = model if model is not None else self.config.model_name
         self._check_model(mname)
-        if loads is None:
-            loads = self.loads()
-        elif not isinstance(loads, Mapping) or not all(
-            isinstance(p, str) and isinstance(v, LoadSnapshot) for p, v in loads.items()
-        ):
-            raise TypeError("loads must map pod ids (str) to LoadSnapshot")
-        if pods is None:
-            candidates = sorted(self.index.pods() | set(loads))
-        else:
-            if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
-                raise TypeError("pods must be a collection of pod ids (str)")
-            candidates = list(dict.fromkeys(pods))
+        loads = self.loads() if loads is None else _checked_loads(loads)
+        candidates = self._candidates(pods, loads)
         ranks: dict[str, int] | None = None
-        if fast:
-            # the compiled read path: keys and every candidate's match in one call, and the DP rank
-            # of each pod whose match one rank holds
-            ranks = {}
-            keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
-                tokens, candidates, self._bit_weights(), model=mname, lora=lora, dp_ranks=ranks)
-            prefix = self._prefix_from_summary(summary, len(keys), candidates) if len(keys) else {
-                p: PrefixScore(pod=p) for p in candidates}
+        if keys is None:
+            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora)
         else:
-            matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
-            prefix = prefix_scores_from_matches(
-                matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
-            )
-        choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=len(tokens)) if candidates else None
-        if choice is not None and prefix[choice.pod].matched_blocks:
-            rank = ranks.get(choice.pod) if ranks else None
-            if rank is None:
-                rank = self.index.best_dp_rank(choice.pod, keys[: prefix[choice.pod].matched_blocks])
-            if rank is not None:
-                choice = msgspec.structs.replace(choice, dp_rank=rank)
+            prefix = self._match(keys, candidates)
+        choice = self._choose(prefix, loads, candidates, len(tokens), keys, ranks)
         self.metrics.observe_score(
             time.perf_counter() - t0, prefix[choice.pod].coverage if choice is not None and len(keys) else None
         )
@@ -397,6 +452,51 @@ class Indexer:
             pod=choice.pod if choice is not None else None,
             prompt_tokens=len(tokens),
         )
+
+    def _candidates(self, pods: Collection[str] | None, loads: Mapping[str, LoadSnapshot]) -> list[str]:
+        """The pods to score: as given, or (None) every pod the index, the load table or the
+        configuration knows (a configured engine holding nothing and reporting no load included)."""
+        if pods is None:
+            return sorted(self.index.pods() | set(loads) | self._configured_pods)
+        if isinstance(pods, (str, bytes)) or not all(map(isinstance, pods, repeat(str))):
+            raise TypeError("pods must be a collection of pod ids (str)")
+        return list(dict.fromkeys(pods))
+
+    def _match_fast(
+        self, tokens: Sequence[int] | np.ndarray, candidates: list[str], model: str | None, lora: str | None
+    ) -> tuple[np.ndarray, dict[str, PrefixScore], dict[str, int]]:
+        """The compiled read path: keys, every candidate's match and the DP rank of each pod whose
+        match one rank holds, in one call."""
+        ranks: dict[str, int] = {}
+        keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
+            tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
+        if not len(keys):
+            return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
+        return keys, self._prefix_from_summary(summary, len(keys), candidates), ranks
+
+    def _match(self, keys: np.ndarray, candidates: list[str]) -> dict[str, PrefixScore]:
+        """Every candidate's prefix score from the index's per-pod matches of ``keys``."""
+        matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
+        return prefix_scores_from_matches(
+            matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
+        )
+
+    def _choose(
+        self, prefix: dict[str, PrefixScore], loads: Mapping[str, LoadSnapshot], candidates: list[str],
+        prompt_tokens: int, keys: np.ndarray, ranks: dict[str, int] | None,
+    ) -> Choice | None:
+        """The picker's choice, with the DP rank that holds the chosen pod's match."""
+        if not candidates:
+            return None
+        choice = self.picker.pick(prefix, loads, candidates, prompt_tokens=prompt_tokens)
+        matched = prefix[choice.pod].matched_blocks
+        if matched:
+            rank = ranks.get(choice.pod) if ranks else None
+            if rank is None:
+                rank = self.index.best_dp_rank(choice.pod, keys[:matched])
+            if rank is not None:
+                choice = msgspec.structs.replace(choice, dp_rank=rank)
+        return choice
 
     def _bit_weights(self) -> list[float]:
         """Tier weight per tier bit (registry order), for the compiled read path."""
@@ -495,13 +595,17 @@ class Indexer:
         The router then serves them with the rest of its registry
         (``prometheus_client.generate_latest(registry)``); see
         :mod:`indexer.metrics` and the README's "Metrics" table.  Raises
-        ValueError when ``registry`` already holds one of the names.
+        ValueError when ``registry`` already holds one of the names (another
+        indexer's: construct each with its own ``metrics_namespace``).
         """
         return self.metrics.register(registry)
 
     def stats(self) -> IndexerStats:
         """Index sizes/counters and write-path counters."""
-        return IndexerStats(index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received)
+        return IndexerStats(
+            index=self.index.stats(), events=self.pool.stats(), received_messages=self.subscriber.received,
+            misconfigured=tuple(s for s in self.pool.completeness() if s.misconfigured),
+        )
 
     def completeness(self, pod: str | None = None) -> list[StreamState]:
         """Per publisher stream (pod, model, DP rank): is the index known to hold exactly its blocks?
@@ -512,7 +616,10 @@ class Indexer:
         reconnect without replay, a restart or start caught after the
         engine's seq 0 left its buffer, or a malformed event) and ``since``,
         the ``time.monotonic()`` of this process when it last became
-        complete.  A pod whose streams are all complete is predicted exactly;
+        complete.  A stream whose engine is configured unlike us (another
+        block size, engine-hash algorithm or model) is not complete, names
+        the reasons in ``misconfigured`` and what to set in ``why`` (logged
+        once per stream as ``kvevents: misconfigured: ...``).  A pod whose streams are all complete is predicted exactly;
         an incomplete one may miss blocks it holds (never holds more, when it
         has a replay endpoint).  See :meth:`kvevents.pool.EventPool.completeness`.
         """

@@ -17,6 +17,10 @@ Mount it in the registry your router serves::
     indexer.register_metrics(registry)           # or registry.register(indexer.metrics)
     text = prometheus_client.generate_latest(registry)
 
+Several indexers in one process: give each its own namespace
+(``Indexer(cfg, metrics_namespace="a")``: names ``a_kvindex_...``), since a
+registry refuses two collectors with the same family names.
+
 Names follow the Prometheus conventions (``kvindex_`` prefix, counters end in
 ``_total``, base units such as seconds); the README's "Metrics" section is the
 reference table (name, type, labels, meaning), kept equal to :data:`METRICS`
@@ -26,6 +30,7 @@ by a test.  Labels: ``pod``, ``model`` (empty when the topic names none),
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -64,6 +69,7 @@ COVERAGE_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99
 """Buckets of ``kvindex_score_chosen_coverage`` (a ratio; the 0.0 bucket counts misses)."""
 
 STREAM_LABELS = ("pod", "model", "dp_rank")
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 # name (as exposed, without the _total / _bucket suffixes a family adds) -> (type, labels, help)
 METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -81,6 +87,11 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "gauge", STREAM_LABELS, "1 while the index is known to hold exactly the stream's blocks, else 0."),
     "kvindex_streams_incomplete": ("gauge", (), "Publisher streams whose state is not known to be complete."),
     "kvindex_pods_incomplete": ("gauge", (), "Pods with at least one incomplete stream."),
+    "kvindex_stream_misconfigured": (
+        "gauge", STREAM_LABELS + ("reason",),
+        "1 per reason the stream's engine is configured unlike the indexer (block_size, hash_algorithm, "
+        "model_name); the stream is then not complete."),
+    "kvindex_streams_misconfigured": ("gauge", (), "Publisher streams whose engine is configured unlike the indexer."),
     # write path, totals
     "kvindex_event_messages_received": ("counter", (), "Messages the subscriber took from its ZMQ sockets."),
     "kvindex_event_messages": ("counter", (), "Messages the pool's shards took from their queues."),
@@ -133,6 +144,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_index_unknown_removals": ("counter", (), "BlockRemoved for a block the pod was not known to hold."),
     "kvindex_index_speculative_entries": ("gauge", (), "Live speculative (routed, not yet confirmed) entries."),
     "kvindex_index_clears": ("counter", (), "Stream or pod clears that removed something."),
+    "kvindex_index_redis_errors": (
+        "counter", (), "Index calls that could not reach the Redis server or that it failed (Redis backend; "
+        "reads answered without prefix information)."),
+    "kvindex_index_redis_dropped_writes": ("counter", (), "Of those, writes not applied (the stream is rebuilt)."),
     # read path
     "kvindex_score_duration_seconds": ("histogram", (), "Time of Indexer.score() (keys, match, picker)."),
     "kvindex_score_chosen_coverage": (
@@ -152,17 +167,25 @@ class KVIndexMetrics(Collector):
 
     Args:
         indexer: the indexer to report.
+        namespace: prefix of every family name (``<namespace>_kvindex_...``),
+            so that several indexers' collectors fit in one registry (a
+            registry refuses two collectors with the same family names, so a
+            label alone could not tell them apart); None: the plain names.
+            ValueError unless it is a Prometheus name (``[a-zA-Z_:][a-zA-Z0-9_:]*``).
     """
 
-    def __init__(self, indexer: MetricsSource) -> None:
+    def __init__(self, indexer: MetricsSource, namespace: str | None = None) -> None:
+        if namespace is not None and (not isinstance(namespace, str) or not _NAME.fullmatch(namespace)):
+            raise ValueError(f"metrics namespace must match [a-zA-Z_:][a-zA-Z0-9_:]*, got {namespace!r}")
         self._ix = indexer
+        self.namespace = namespace
         # unregistered: collect() yields their samples with the rest
         self.score_seconds = Histogram(
-            "kvindex_score_duration_seconds", METRICS["kvindex_score_duration_seconds"][2],
+            self._name("kvindex_score_duration_seconds"), METRICS["kvindex_score_duration_seconds"][2],
             buckets=SCORE_SECONDS_BUCKETS, registry=None,
         )
         self.chosen_coverage = Histogram(
-            "kvindex_score_chosen_coverage", METRICS["kvindex_score_chosen_coverage"][2],
+            self._name("kvindex_score_chosen_coverage"), METRICS["kvindex_score_chosen_coverage"][2],
             buckets=COVERAGE_BUCKETS, registry=None,
         )
         # (seconds, coverage or None) per score, folded into the histograms by _fold; a deque is
@@ -197,40 +220,44 @@ class KVIndexMetrics(Collector):
             if coverage is not None:
                 cov.observe(coverage)
 
+    def _name(self, name: str) -> str:
+        return name if self.namespace is None else f"{self.namespace}_{name}"
+
+    def _fam(self, name: str) -> CounterMetricFamily | GaugeMetricFamily:
+        """An empty family of :data:`METRICS` ``name`` (namespaced)."""
+        kind, labels, doc = METRICS[name]
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        return cls(self._name(name), doc, labels=labels)
+
+    def _single(self, name: str, value: float) -> CounterMetricFamily | GaugeMetricFamily:
+        f = self._fam(name)
+        f.add_metric([], value)
+        return f
+
     def describe(self) -> list[Metric]:
         """Families by name (empty samples), so a registry can detect name clashes at register time."""
-        out: list[Metric] = []
-        for name, (kind, labels, doc) in METRICS.items():
-            if kind == "counter":
-                out.append(CounterMetricFamily(name, doc, labels=labels))
-            elif kind == "gauge":
-                out.append(GaugeMetricFamily(name, doc, labels=labels))
+        out: list[Metric] = [self._fam(name) for name, (kind, _l, _d) in METRICS.items() if kind != "histogram"]
         out.extend(self.score_seconds.describe())
         out.extend(self.chosen_coverage.describe())
         return out
 
     def collect(self) -> Iterator[Metric]:
         """Every family, with values read now."""
-        ix = self._ix
-        st = ix.stats()
-        ev, idx = st.events, st.index
+        st = self._ix.stats()
+        yield from self._stream_counters()
+        yield from self._stream_health()
+        yield from self._write_totals(st)
+        yield from self._index_families(st.index)
+        self._fold()
+        yield from self.score_seconds.collect()
+        yield from self.chosen_coverage.collect()
 
-        def fam(name: str) -> CounterMetricFamily | GaugeMetricFamily:
-            kind, labels, doc = METRICS[name]
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            return cls(name, doc, labels=labels)
-
-        def single(name: str, value: float) -> CounterMetricFamily | GaugeMetricFamily:
-            f = fam(name)
-            f.add_metric([], value)
-            return f
-
-        # per stream
-        streams = ix.pool.stream_counters()
-        per = {n: fam(n) for n in (
+    def _stream_counters(self) -> Iterator[Metric]:
+        """Per publisher stream: what it carried."""
+        per = {n: self._fam(n) for n in (
             "kvindex_stream_messages", "kvindex_stream_batches", "kvindex_stream_events",
             "kvindex_stream_blocks_stored", "kvindex_stream_blocks_removed", "kvindex_stream_clears")}
-        for s in streams:
+        for s in self._ix.pool.stream_counters():
             lv = [s.pod, s.model or "", str(s.dp_rank)]
             per["kvindex_stream_messages"].add_metric(lv, s.messages)
             per["kvindex_stream_batches"].add_metric(lv, s.batches)
@@ -241,20 +268,33 @@ class KVIndexMetrics(Collector):
             for tier, n in sorted(s.blocks_removed.items()):
                 per["kvindex_stream_blocks_removed"].add_metric(lv + [tier], n)
         yield from per.values()
-        complete = fam("kvindex_stream_complete")
+
+    def _stream_health(self) -> Iterator[Metric]:
+        """Per publisher stream: complete or not, misconfigured and why; the totals."""
+        complete = self._fam("kvindex_stream_complete")
+        misconfigured = self._fam("kvindex_stream_misconfigured")
         incomplete_pods: set[str] = set()
-        n_incomplete = 0
-        for c in ix.completeness():
-            complete.add_metric([c.pod, c.model or "", str(c.dp_rank)], 1.0 if c.complete else 0.0)
+        n_incomplete = n_misconfigured = 0
+        for c in self._ix.completeness():
+            lv = [c.pod, c.model or "", str(c.dp_rank)]
+            complete.add_metric(lv, 1.0 if c.complete else 0.0)
             if not c.complete:
                 n_incomplete += 1
                 incomplete_pods.add(c.pod)
+            for reason in c.misconfigured:
+                misconfigured.add_metric(lv + [reason], 1.0)
+            n_misconfigured += bool(c.misconfigured)
         yield complete
-        yield single("kvindex_streams_incomplete", n_incomplete)
-        yield single("kvindex_pods_incomplete", len(incomplete_pods))
+        yield self._single("kvindex_streams_incomplete", n_incomplete)
+        yield self._single("kvindex_pods_incomplete", len(incomplete_pods))
+        yield misconfigured
+        yield self._single("kvindex_streams_misconfigured", n_misconfigured)
 
-        # write path totals
-        yield single("kvindex_event_messages_received", st.received_messages)
+    def _write_totals(self, st: Any) -> Iterator[Metric]:
+        """Write-path totals (pool counters) and errors by kind."""
+        ev = st.events
+        pool = self._ix.pool
+        yield self._single("kvindex_event_messages_received", st.received_messages)
         for name, value in (
             ("kvindex_event_messages", ev.messages),
             ("kvindex_event_batches", ev.batches),
@@ -280,45 +320,41 @@ class KVIndexMetrics(Collector):
             ("kvindex_event_index_unavailable", getattr(ev, "index_unavailable", 0)),
             ("kvindex_event_rebuilds", getattr(ev, "rebuilds", 0)),
             ("kvindex_event_queue_messages", ev.queued),
-            ("kvindex_event_queue_capacity_messages", ix.pool.queue_size * ix.pool.concurrency),
+            ("kvindex_event_queue_capacity_messages", pool.queue_size * pool.concurrency),
         ):
-            yield single(name, value)
-        errors = fam("kvindex_event_errors")
+            yield self._single(name, value)
+        errors = self._fam("kvindex_event_errors")
         for kind, n in sorted(ev.errors_by_kind.items()):
             errors.add_metric([kind], n)
         yield errors
 
-        # index
-        capacity = getattr(ix.index, "capacity", None)
-        max_orphans = getattr(ix.index, "max_orphan_blocks", None)
+    def _index_families(self, idx: Any) -> Iterator[Metric]:
+        """The index's sizes and counters, and the per-tier walk when the index offers one."""
+        index = self._ix.index
         for name, value in (
             ("kvindex_index_keys", idx.keys),
             ("kvindex_index_entries", idx.entries),
             ("kvindex_index_engine_keys", idx.engine_keys),
             ("kvindex_index_pods", idx.pods),
-            ("kvindex_index_capacity_keys", capacity),
+            ("kvindex_index_capacity_keys", getattr(index, "capacity", None)),
             ("kvindex_index_evictions", idx.evictions),
             ("kvindex_index_orphan_blocks", idx.orphan_blocks),
-            ("kvindex_index_orphan_blocks_limit", max_orphans),
+            ("kvindex_index_orphan_blocks_limit", getattr(index, "max_orphan_blocks", None)),
             ("kvindex_index_orphans", idx.orphans),
             ("kvindex_index_orphans_attached", idx.orphans_attached),
             ("kvindex_index_orphans_dropped", idx.orphans_dropped),
             ("kvindex_index_unknown_removals", idx.unknown_removals),
             ("kvindex_index_speculative_entries", idx.speculative),
             ("kvindex_index_clears", idx.clears),
+            ("kvindex_index_redis_errors", idx.redis_errors),
+            ("kvindex_index_redis_dropped_writes", idx.dropped_writes),
         ):
             if value is not None:
-                yield single(name, value)
-        if isinstance(ix.index, TierStatsSource):
-            tk, te = fam("kvindex_index_tier_keys"), fam("kvindex_index_tier_entries")
-            for tier, (k, e) in sorted(ix.index.tier_stats().items()):
+                yield self._single(name, value)
+        if isinstance(index, TierStatsSource):
+            tk, te = self._fam("kvindex_index_tier_keys"), self._fam("kvindex_index_tier_entries")
+            for tier, (k, e) in sorted(index.tier_stats().items()):
                 tk.add_metric([tier], k)
                 te.add_metric([tier], e)
             yield tk
             yield te
-
-        # read path
-        self._fold()
-        yield from self.score_seconds.collect()
-        yield from self.chosen_coverage.collect()
-
