@@ -104,7 +104,9 @@ class StreamCheck:
         expected = configured_model if configured_model is not None else owner.model_name
         # engine-hash keys do not depend on the model name: any model matches there
         if expected is not None and model != expected and not (tp is not None and tp.engine_compatible):
-            where = "its engine entry's model" if configured_model is not None else "model_name"
+            # an entry's model filled in from model_name (the facade does) is model_name's
+            own = configured_model is not None and configured_model != owner.model_name
+            where = "its engine entry's model" if own else "model_name"
             if model is None:
                 todo = f"name the model in the engine's topic (kv@{pod}@{expected}) or in its engine entry's model"
                 said = "engine's topic names no model"

@@ -46,7 +46,10 @@ class FlushReport(msgspec.Struct, frozen=True, kw_only=True):
     an endpoint did not answer.  Each list names ``pod/rank``: caught_up
     (verified), behind (not caught up by the deadline), unreachable (the
     replay endpoint did not answer within the replay timeout), unverified (no
-    replay endpoint: only what the subscriber had received is covered).
+    replay endpoint: only what the subscriber had received is covered), down
+    (no subscription up to the engine: nothing it publishes can reach us, so
+    it is not asked and does not make ``ok`` False; see
+    :meth:`kvindex.Indexer.wait_connected`).
     waited: seconds the call took.
     """
 
@@ -55,6 +58,7 @@ class FlushReport(msgspec.Struct, frozen=True, kw_only=True):
     behind: list[str] = msgspec.field(default_factory=list)
     unreachable: list[str] = msgspec.field(default_factory=list)
     unverified: list[str] = msgspec.field(default_factory=list)
+    down: list[str] = msgspec.field(default_factory=list)
     waited: float = 0.0
 
 
@@ -209,12 +213,15 @@ def flush_engines(
     default_model: str | None,
     timeout: float,
     replay_timeout: float,
+    down: frozenset[tuple[str, int]] = frozenset(),
 ) -> FlushReport:
     """Wait until ``pool`` has applied what every engine published before the call; see :class:`FlushReport`."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     drained = pool.flush(timeout)  # what is queued first (RuntimeError when not started): less to ask for
     targets, unverified = _targets(engines, bind_replay, bind_engine, default_model, pool)
+    skipped = sorted(t.label for t in targets if (t.pod, t.rank) in down)
+    targets = [t for t in targets if (t.pod, t.rank) not in down]
     ctx = pool.zmq_context
     ask_for = min(replay_timeout, timeout)
     lost = _set_goals(ctx, pool, targets, list(range(len(targets))), ask_for) if targets and drained else set()
@@ -240,7 +247,7 @@ def flush_engines(
     report = FlushReport(
         ok=drained and not pending and not lost,
         caught_up=sorted(done), behind=sorted(targets[i].label for i in pending),
-        unreachable=sorted(targets[i].label for i in lost), unverified=sorted(unverified),
+        unreachable=sorted(targets[i].label for i in lost), unverified=sorted(unverified), down=skipped,
         waited=time.monotonic() - t0,
     )
     if report.unreachable:

@@ -636,8 +636,11 @@ class Indexer:
         everything already queued (a stream that stops short, its last
         message lost on the way, is looked up in the engine's buffer).
         Engines without a replay endpoint are covered only as far as the
-        subscriber has received their messages.  False on timeout, and when a replay endpoint does not answer within
-        ``kv_events_config.replay_timeout`` (logged as a warning); see
+        subscriber has received their messages; engines whose subscription
+        is not up (down, or not reachable yet) are not asked: nothing they
+        publish can reach the index until :meth:`wait_connected`.  False on
+        timeout, and when a connected engine's replay endpoint does not answer
+        within ``kv_events_config.replay_timeout`` (logged as a warning); see
         :meth:`flush_report` for which engine held it up.
         """
         return self.flush_report(timeout).ok
@@ -649,10 +652,11 @@ class Indexer:
         """
         with self._lock:
             engines = list(self._engines.values())
+        down = frozenset(k for k, up in self.subscriber.connected().items() if not up)
         ev = self.config.kv_events_config
         return flush_engines(
             self.pool, engines, bind_replay=ev.bind_replay, bind_engine=ev.engine, default_model=self.config.model_name,
-            timeout=timeout, replay_timeout=ev.replay_timeout,
+            timeout=timeout, replay_timeout=ev.replay_timeout, down=down,
         )
 
     def wait_for(self, messages: int, timeout: float = 10.0) -> bool:
