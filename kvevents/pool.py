@@ -212,7 +212,7 @@ class EventPool:
         """Call ``fn(pod, dp_rank, model, event)`` for every BlockStored just before the index applies it.
 
         Runs on the shard's worker thread, so the index still shows the
-        stream's state before the event (e.g. :class:`indexer.healing.HealingPolicy`
+        stream's state before the event (e.g. :class:`kvindex.facade.healing.HealingPolicy`
         counts the re-announced blocks it did not hold).  ``fn`` must be quick
         and thread-safe; an exception it raises is counted (``observer``) and
         the event is applied anyway.  ``wants(pod, dp_rank, model)``, asked

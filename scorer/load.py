@@ -65,7 +65,7 @@ class LoadSnapshot(msgspec.Struct, kw_only=True):
             still has to prefill for the requests the router sent it (those
             that have not produced a first token yet), None when the router
             does not track it (the parser leaves it None; see
-            ``indexer.Indexer.request_started``).  Read by
+            ``kvindex.Indexer.request_started``).  Read by
             :class:`scorer.picker.TTFTPicker`.
         kv_capacity_tokens: the pod's KV cache size in tokens (vLLM's
             ``num_gpu_blocks x block_size``, labels of

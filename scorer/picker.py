@@ -132,7 +132,7 @@ class Choice(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         pod: the chosen pod id.
         score: its total (see :attr:`PodExplanation.total`).
         dp_rank: data-parallel rank hint within the pod, or None.  The
-            pickers work per pod and leave it None; ``indexer.Indexer.score``
+            pickers work per pod and leave it None; ``kvindex.Indexer.score``
             fills in the rank holding the chosen pod's longest prefix
             (``KVBlockIndex.best_dp_rank``).
         rows: one :class:`PodInputs` per candidate, in ranking order (the
@@ -580,7 +580,7 @@ class TTFTPicker:
     ) -> Choice:
         """Choose one of ``candidates`` (same contract as :meth:`WeightedPicker.pick`).
 
-        ``prompt_tokens`` should be given (``indexer.Indexer.score`` does); when
+        ``prompt_tokens`` should be given (``kvindex.Indexer.score`` does); when
         None it is estimated from the prefix scores (matched tokens / coverage).
         One pass over the candidates with no strings formatted: the
         explanation is derived from the returned rows when first read.

@@ -231,11 +231,11 @@ def unknown_engine(draw: st.DrawFn) -> Bad:
 
 @st.composite
 def apply_fails(draw: st.DrawFn) -> Bad:
-    """Decodes, but its block size is not the index's: the event is counted, not applied."""
+    """Decodes, but its block size is not the index's: the event is counted (as a misconfigured stream's), not applied."""
     bs = draw(st.sampled_from([1, 4, 8, 32]))
     toks = prompt(draw(st.integers(20, 30)), 4)[: 2 * bs]
     ev = stored(toks, 0, 2, form=draw(st.sampled_from(["map", "array"])), block_size=bs)
-    return Bad(batch_payload([ev]), "apply", advances=True)
+    return Bad(batch_payload([ev]), "misconfigured", advances=True)
 
 
 @st.composite

@@ -14,7 +14,7 @@ Read path per request (``POST /v1/completions`` and ``POST /v1/chat/completions`
    ints) is used as is. A batched completion prompt (a list of prompts) is
    scored on its first prompt. When no engine can tokenize, the request is
    routed on load alone.
-2. :meth:`indexer.Indexer.score` over the healthy pods: prefix coverage from
+2. :meth:`kvindex.Indexer.score` over the healthy pods: prefix coverage from
    the index (fed by the engines' KV events over ZMQ) mixed with load (each
    engine's ``/metrics``, fetched every ``load_interval`` seconds with
    :func:`scorer.fetch_load`, plus the router's own in-flight counts via
@@ -44,7 +44,7 @@ reports 96 hit tokens; one of 130 tokens reports 128.
 
 Other endpoints: ``GET /metrics`` (Prometheus text from the router's own
 ``CollectorRegistry``: requests, predicted and engine-reported cached tokens
-per pod, engine load, and the library's metrics from :mod:`indexer.metrics`:
+per pod, engine load, and the library's metrics from :mod:`kvindex.facade.metrics`:
 index size per tier, events ingested per stream, errors by kind, gaps,
 replays, drops, score latency, ...), ``GET /health``
 (200 while at least one engine's ``/metrics`` answered at the last refresh,
@@ -181,7 +181,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         a connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s): a
         request sent on a connection the server is closing at that moment
         fails with "server disconnected" before the engine ever sees it.
-    indexer: extra :class:`indexer.Config` fields (e.g. ``scorer_config``,
+    indexer: extra :class:`kvindex.Config` fields (e.g. ``scorer_config``,
         ``token_processor_config.algorithm``); the router fills in
         ``model_name``, ``token_processor_config.block_size`` and
         ``kv_events_config.engines`` from the fields above.
@@ -197,7 +197,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         (D streams; the conversation's retained KV is not reused).
     healing: add ``vllm_xargs.kv_cache_report_mode = "full"`` to requests sent
         to a pod whose index state is incomplete, until
-        :class:`indexer.healing.HealingPolicy` judges it healed.
+        :class:`kvindex.facade.healing.HealingPolicy` judges it healed.
     heal_quiet_requests, heal_max_requests: the policy's ``quiet_requests``
         and ``max_requests``.
     """
@@ -237,7 +237,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"duplicate pod ids in {pods}")
 
     def indexer_config(self, model: str | None) -> Config:
-        """The :class:`indexer.Config` for these engines, model and block size.
+        """The :class:`kvindex.Config` for these engines, model and block size.
 
         Raises:
             ValueError: the ``indexer`` section sets engines itself, or a block
@@ -386,7 +386,7 @@ class Decision(msgspec.Struct, kw_only=True):
 
 
 class _IndexerCollector(Collector):
-    """Serves the embedded indexer's library metrics (:mod:`indexer.metrics`), read at scrape time.
+    """Serves the embedded indexer's library metrics (:mod:`kvindex.facade.metrics`), read at scrape time.
 
     A proxy rather than registering ``indexer.metrics`` itself, because the
     indexer is built in :meth:`Router.start`, after the registry.
@@ -411,7 +411,7 @@ class _IndexerCollector(Collector):
 
 
 class Router:
-    """The proxy: engines, embedded :class:`indexer.Indexer`, metrics and decision log.
+    """The proxy: engines, embedded :class:`kvindex.Indexer`, metrics and decision log.
 
     Use :meth:`app` to get the aiohttp application (its start-up and clean-up
     hooks call :meth:`start` and :meth:`close`), or :class:`examples.router.serve.RunningRouter` to

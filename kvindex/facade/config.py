@@ -14,7 +14,7 @@ Example (YAML)::
       hash_seed: 0                   # int or str (0 and "0" are different seeds)
       algorithm: xxh3_chain          # or vllm_sha256_cbor / vllm_sha256
     kv_block_index_config:
-      backend: native                # or python (the pure-Python reference)
+      backend: auto                  # native when compiled, else python; or name one
       in_memory_config: {size: 1000000, max_orphan_blocks: 100000}
       redis_config: {url: "redis://127.0.0.1:6379/0"}   # backend: redis only
     kv_events_config:
@@ -165,7 +165,7 @@ class KVEventsConfig(_Base, frozen=True):
     :class:`kvevents.pool.EventPool`).
     connect_timeout: seconds one TCP connection attempt to an engine may
         take (then it counts as failed and is retried in the background).
-        :meth:`indexer.Indexer.start` waits only while first attempts are in
+        :meth:`kvindex.Indexer.start` waits only while first attempts are in
         flight: a reachable engine answers and a refusing one fails within
         milliseconds, so only an address that drops packets makes it wait,
         this long at most (0: no wait, the OS's connect timeout).  An engine
@@ -266,7 +266,7 @@ class ScorerConfig(_Base, frozen=True):
 
 
 class Config(_Base, frozen=True):
-    """Everything the :class:`indexer.Indexer` needs.
+    """Everything the :class:`kvindex.Indexer` needs.
 
     model_name: default model for ``score()`` (keys are scoped by model; the
     engines' topics ``kv@<pod>@<model>`` name theirs).

@@ -46,7 +46,7 @@ model) stream, whether to ask for the full report:
   a full report is one extra event per request, whose blocks the index
   already holds (idempotent).
 
-Use (any router; :class:`indexer.Indexer` users pass ``ix.pool``)::
+Use (any router; :class:`kvindex.Indexer` users pass ``ix.pool``)::
 
     heal = HealingPolicy(ix.pool)
     ...

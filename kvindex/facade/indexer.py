@@ -594,7 +594,7 @@ class Indexer:
 
         The router then serves them with the rest of its registry
         (``prometheus_client.generate_latest(registry)``); see
-        :mod:`indexer.metrics` and the README's "Metrics" table.  Raises
+        :mod:`kvindex.facade.metrics` and docs/operations.md's "Metrics" table.  Raises
         ValueError when ``registry`` already holds one of the names (another
         indexer's: construct each with its own ``metrics_namespace``).
         """

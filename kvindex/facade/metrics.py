@@ -22,7 +22,7 @@ Several indexers in one process: give each its own namespace
 registry refuses two collectors with the same family names.
 
 Names follow the Prometheus conventions (``kvindex_`` prefix, counters end in
-``_total``, base units such as seconds); the README's "Metrics" section is the
+``_total``, base units such as seconds); docs/operations.md's "Metrics" section is the
 reference table (name, type, labels, meaning), kept equal to :data:`METRICS`
 by a test.  Labels: ``pod``, ``model`` (empty when the topic names none),
 ``dp_rank``, ``tier`` (gpu, cpu, storage, ...), ``kind`` (error kind).
