@@ -177,6 +177,18 @@ class IndexCore {
     static constexpr size_t NOGIL_MIN_BLOCKS = 2048;
     static constexpr size_t BUSY = ~size_t(0);  // summary_locked's answer to a guarded read during a multi-call write
 
+    // apply_events' parts: the events it takes, read with the GIL held (read_events stops before
+    // the first one read_event declines), then each applied under the exclusive lock;
+    // apply_stored answers false for an orphan (a parent engine key it does not know).
+    struct BatchEvent;
+    struct BatchCounts;
+    static void read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t, nb::handle removed_t,
+                            nb::handle cleared_t, nb::handle tier_bits, size_t bs, std::vector<BatchEvent>& evs);
+    static bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x);
+    void apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, BatchCounts& c);
+    bool apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
+                      const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c);
+
     size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
                           const std::vector<double>& weights, bool touch, bool guard, Summary& res);
 
@@ -233,6 +245,12 @@ class IndexCore {
     void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
                       std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
                       std::vector<uint32_t>& rid, std::vector<u32>* path);
+
+    // summary_walk's state, and its work at a block whose holders differ from the previous block's:
+    // stamp the candidates holding it, drop the others from the live list, extend or start their
+    // runs; false when no candidate is left.
+    struct SummaryState;
+    bool summary_block(SummaryState& s, const HolderVec& hv, size_t i);
 
     // Two blocks' holders are the same (pod slot, flags, attributes) in the same order.
     static bool same_holders(const HolderVec& a, const HolderVec& b);

@@ -242,18 +242,30 @@ void IndexCore::walk(const u64* keys, size_t n, const std::vector<int>& cand_slo
     }
 }
 
-void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
-                  std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
-                  std::vector<uint32_t>& rid, std::vector<u32>* path) {
-    size_t nc = cand_slot.size();
-    if (nc == 0) return;
-    std::vector<int> of_slot(pod_names_.size(), -1);
-    for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
-    std::vector<size_t> stamp(nc, ~size_t(0)), runn(nc, 0);
-    std::vector<u64> cur(nc, 0), runm(nc, 0);
-    std::vector<size_t> live(nc);
-    for (size_t c = 0; c < nc; ++c) live[c] = c;
-    auto flush = [&](size_t c) {
+// summary_walk's per-candidate state (c: a candidate's position in cand_slot).
+struct IndexCore::SummaryState {
+    const std::vector<int>& cand_slot;
+    std::vector<size_t>& cnt;
+    std::vector<u64>& uni;
+    std::vector<std::vector<std::pair<u64, size_t>>>& runs;
+    std::vector<uint32_t>& rid;
+    std::vector<int> of_slot;     // pod slot -> c while c is live, else -1
+    std::vector<size_t> stamp;    // the last block position whose holders include c
+    std::vector<size_t> runn;     // blocks in c's current run
+    std::vector<u64> cur, runm;   // c's mask at the block, and its current run's mask
+    std::vector<size_t> live;     // the candidates still matching
+
+    SummaryState(const std::vector<int>& cs, size_t pods, std::vector<size_t>& cn, std::vector<u64>& un,
+                 std::vector<std::vector<std::pair<u64, size_t>>>& rn, std::vector<uint32_t>& rd)
+        : cand_slot(cs), cnt(cn), uni(un), runs(rn), rid(rd), of_slot(pods, -1), stamp(cs.size(), ~size_t(0)),
+          runn(cs.size(), 0), cur(cs.size(), 0), runm(cs.size(), 0), live(cs.size()) {
+        size_t nc = cs.size();
+        for (size_t c = 0; c < nc; ++c) of_slot[cand_slot[c]] = (int)c;
+        for (size_t c = 0; c < nc; ++c) live[c] = c;
+    }
+
+    // c's current run into cnt, uni and runs (masks in first-seen order).
+    void flush(size_t c) {
         if (!runn[c]) return;
         cnt[c] += runn[c];
         uni[c] |= runm[c];
@@ -263,8 +275,15 @@ void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& 
                 return;
             }
         runs[c].emplace_back(runm[c], runn[c]);
-    };
-    const Attr* av = attrs_.data();
+    }
+};
+
+void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
+                             std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
+                             std::vector<uint32_t>& rid, std::vector<u32>* path) {
+    size_t nc = cand_slot.size();
+    if (nc == 0) return;
+    SummaryState s(cand_slot, pod_names_.size(), cnt, uni, runs, rid);
     constexpr size_t GROUP = 16;
     u32 bis[GROUP];
     size_t group = 4;
@@ -290,59 +309,65 @@ void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& 
                 continue;
             }
             if (streak) {
-                for (size_t c : live) runn[c] += streak;
+                for (size_t c : s.live) s.runn[c] += streak;
                 streak = 0;
             }
             prev = &hv;
-            size_t hits = 0;
-            for (const Holder& h : hv) {
-                int c = of_slot[h.pod()];
-                if (c < 0) continue;
-                const Attr& at = av[h.at];
-                u64 hm = at.mask;
-                if (!hm) continue;
-                uint32_t& r = rid[(size_t)c];
-                if (r != at.rid) r = r == RID_NONE ? at.rid : RID_MIXED;
-                if (stamp[(size_t)c] != i) {
-                    stamp[(size_t)c] = i;
-                    cur[(size_t)c] = hm;
-                    ++hits;
-                } else {
-                    cur[(size_t)c] |= hm;
-                }
-            }
-            if (hits != live.size()) {
-                for (size_t k = 0; k < live.size();) {
-                    size_t c = live[k];
-                    if (stamp[c] == i) {
-                        ++k;
-                    } else {
-                        of_slot[cand_slot[c]] = -1;
-                        live[k] = live.back();
-                        live.pop_back();
-                    }
-                }
-                if (live.empty()) {
-                    done = true;
-                    break;
-                }
-            }
-            for (size_t c : live) {
-                u64 cm = cur[c];
-                if (cm == runm[c]) {
-                    ++runn[c];
-                } else {
-                    flush(c);
-                    runm[c] = cm;
-                    runn[c] = 1;
-                }
+            if (!summary_block(s, hv, i)) {
+                done = true;
+                break;
             }
             if (path) path->push_back(bis[j]);
         }
     }
     if (streak)
-        for (size_t c : live) runn[c] += streak;
-    for (size_t c = 0; c < nc; ++c) flush(c);
+        for (size_t c : s.live) s.runn[c] += streak;
+    for (size_t c = 0; c < nc; ++c) s.flush(c);
+}
+
+bool IndexCore::summary_block(SummaryState& s, const HolderVec& hv, size_t i) {
+    const Attr* av = attrs_.data();
+    size_t hits = 0;
+    for (const Holder& h : hv) {
+        int c = s.of_slot[h.pod()];
+        if (c < 0) continue;
+        const Attr& at = av[h.at];
+        u64 hm = at.mask;
+        if (!hm) continue;
+        uint32_t& r = s.rid[(size_t)c];
+        if (r != at.rid) r = r == RID_NONE ? at.rid : RID_MIXED;
+        if (s.stamp[(size_t)c] != i) {
+            s.stamp[(size_t)c] = i;
+            s.cur[(size_t)c] = hm;
+            ++hits;
+        } else {
+            s.cur[(size_t)c] |= hm;
+        }
+    }
+    if (hits != s.live.size()) {
+        for (size_t k = 0; k < s.live.size();) {
+            size_t c = s.live[k];
+            if (s.stamp[c] == i) {
+                ++k;
+            } else {
+                s.of_slot[s.cand_slot[c]] = -1;
+                s.live[k] = s.live.back();
+                s.live.pop_back();
+            }
+        }
+        if (s.live.empty()) return false;
+    }
+    for (size_t c : s.live) {
+        u64 cm = s.cur[c];
+        if (cm == s.runm[c]) {
+            ++s.runn[c];
+        } else {
+            s.flush(c);
+            s.runm[c] = cm;
+            s.runn[c] = 1;
+        }
+    }
+    return true;
 }
 
 bool IndexCore::same_holders(const HolderVec& a, const HolderVec& b) {
