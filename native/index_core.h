@@ -49,13 +49,12 @@ class IndexCore {
 
     // Chain the request keys of `tokens` from `state` (xxh3_chain) and store them; returns the keys.
     nb::bytes store_chain(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
-                                                          u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
-                                                          u64 bit);
+                          u64 state, nb::handle toks_o, nb::handle K_o, u64 A, u64 bit);
 
     // Token-less BlockStored: add tier `bit` to blocks known by engine key.  Returns the request
     // keys updated (unknown engine keys are counted and skipped).
     nb::bytes store_tokenless(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
-                                                              u64 bit);
+                              u64 bit);
 
     // BlockRemoved of publisher (pod, rank, model): per engine key, whether a held tier copy went.
     std::vector<bool> remove(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, u64 bit);

@@ -45,7 +45,7 @@ nb::object IndexCore::prefix_match(nb::handle keys_o, nb::handle pods_o, bool to
 }
 
 nb::object IndexCore::prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch,
-                          bool guard, bool ranks) {
+                                     bool guard, bool ranks) {
     U64View keys;
     to_u64(keys_o, keys, "request_keys");
     std::vector<nb::handle> given;
@@ -63,7 +63,7 @@ nb::object IndexCore::prefix_summary(nb::handle keys_o, nb::handle pods_o, std::
 }
 
 nb::dict IndexCore::summary_dict(const Summary& res, const std::vector<std::string>& names,
-                      const std::vector<nb::handle>& given) {
+                                 const std::vector<nb::handle>& given) {
     nb::dict out;
     for (const auto& [c, n, w, u, r] : res) {
         nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
@@ -73,7 +73,7 @@ nb::dict IndexCore::summary_dict(const Summary& res, const std::vector<std::stri
 }
 
 nb::dict IndexCore::rank_dict(const Summary& res, const std::vector<std::string>& names,
-                   const std::vector<nb::handle>& given) {
+                              const std::vector<nb::handle>& given) {
     nb::dict out;
     for (const auto& [c, n, w, u, r] : res) {
         if (r == NO_RANK) continue;
@@ -84,7 +84,7 @@ nb::dict IndexCore::rank_dict(const Summary& res, const std::vector<std::string>
 }
 
 nb::object IndexCore::match_tokens(u64 state, nb::handle toks_o, nb::handle K_o, u64 A, nb::handle pods_o,
-                        std::vector<double> weights, bool touch, bool guard, bool ranks) {
+                                   std::vector<double> weights, bool touch, bool guard, bool ranks) {
     U64View toks, K;
     to_u64(toks_o, toks, "tokens");
     to_u64(K_o, K, "K");
@@ -109,7 +109,7 @@ nb::object IndexCore::match_tokens(u64 state, nb::handle toks_o, nb::handle K_o,
 }
 
 size_t IndexCore::summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
-                      const std::vector<double>& weights, bool touch, bool guard, Summary& res) {
+                                 const std::vector<double>& weights, bool touch, bool guard, Summary& res) {
     size_t longest = 0;
     bool flush = false;
     {
@@ -170,7 +170,7 @@ std::vector<std::string> IndexCore::candidate_names(nb::handle pods_o, std::vect
 }
 
 void IndexCore::slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept,
-              std::vector<size_t>* idx) {
+                         std::vector<size_t>* idx) {
     for (size_t k = 0; k < names.size(); ++k) {
         const std::string& nm = names[k];
         auto it = pod_by_name_.find(nm);
@@ -202,7 +202,7 @@ void IndexCore::lookup_group(const u64* gk, size_t m, u32* bis) const {
 
 template <class Emit>
 void IndexCore::walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
-          std::vector<u32>* path) {
+                     std::vector<u32>* path) {
     size_t nc = cand_slot.size();
     if (nc == 0) return;
     std::vector<int> of_slot(pod_names_.size(), -1);

@@ -5,7 +5,7 @@
 namespace kvnative {
 
 size_t IndexCore::store_keys(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o, nb::handle rks_o,
-                  u64 bit) {
+                             u64 bit) {
     U64View eks, rks;
     to_u64(eks_o, eks, "engine_keys");
     to_u64(rks_o, rks, "request_keys");
@@ -20,8 +20,8 @@ size_t IndexCore::store_keys(const std::string& pod, int32_t rank, uint16_t mid,
 }
 
 nb::bytes IndexCore::store_chain(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
-                                                      u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
-                                                      u64 bit) {
+                                 u64 state, nb::handle toks_o, nb::handle K_o, u64 A,
+                                 u64 bit) {
     U64View eks, toks, K;
     to_u64(eks_o, eks, "engine_keys");
     to_u64(toks_o, toks, "token_ids");
@@ -42,7 +42,7 @@ nb::bytes IndexCore::store_chain(const std::string& pod, int32_t rank, uint16_t 
 }
 
 nb::bytes IndexCore::store_tokenless(const std::string& pod, int32_t rank, uint16_t mid, nb::handle eks_o,
-                                                          u64 bit) {
+                                     u64 bit) {
     U64View eks;
     to_u64(eks_o, eks, "engine_keys");
     std::vector<u64> done;
