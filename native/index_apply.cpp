@@ -66,8 +66,9 @@ IndexCore::apply_events(
             std::move(c.st_bits), std::move(c.rm_bits)};
 }
 
-void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t, nb::handle removed_t,
-                            nb::handle cleared_t, nb::handle tier_bits, size_t bs, std::vector<BatchEvent>& evs) {
+inline void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t,
+                                   nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, size_t bs,
+                                   std::vector<BatchEvent>& evs) {
     for (size_t stop = start; stop < n; ++stop) {
         PyObject* ev = items[stop];
         PyObject* tp = (PyObject*)Py_TYPE(ev);
@@ -84,7 +85,7 @@ void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb::handle
     }
 }
 
-bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x) {
+inline bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x) {
     static nb::str a_hashes("block_hashes"), a_parent("parent_block_hash"), a_tokens("token_ids"),
         a_bsize("block_size"), a_tier("tier"), a_lora("lora_name"), a_extra("extra_keys");
     nb::handle e(ev);
@@ -139,8 +140,8 @@ bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_bits, si
     return true;
 }
 
-void IndexCore::apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x,
-                              BatchCounts& c) {
+inline void IndexCore::apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x,
+                                     BatchCounts& c) {
     auto it = pod_by_name_.find(pod);
     if (it == pod_by_name_.end()) {
         c.misses += x.eks.n;
@@ -163,8 +164,8 @@ void IndexCore::apply_removed(const std::string& pod, int32_t rank, uint16_t mid
     if (x.bit) c.rm_bits[__builtin_ctzll(x.bit)] += x.eks.n;
 }
 
-bool IndexCore::apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
-                             const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c) {
+inline bool IndexCore::apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
+                                    const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c) {
     size_t bs = K.n;
     size_t nb_ = x.eks.n;
     const u64* keys = x.eks.data;
@@ -196,7 +197,7 @@ bool IndexCore::apply_stored(const std::string& pod, int32_t rank, uint16_t mid,
     return true;
 }
 
-void IndexCore::prefetch_put(uint16_t mid, const u64* eks, const u64* rks, size_t n) {
+inline void IndexCore::prefetch_put(uint16_t mid, const u64* eks, const u64* rks, size_t n) {
     Engine* em = compat_ ? nullptr : engine_map(mid);
     for (size_t i = 0; i < n; ++i) {
         rk_map_.prefetch(rks[i]);

@@ -84,7 +84,7 @@ class IndexCore {
     // Before an event's puts: start loading what they will read first, the home slots of its
     // request keys (level 1) and engine keys (level 2), then the records those slots point to,
     // so that the cache misses of the event's blocks overlap instead of coming one by one.
-    void prefetch_put(uint16_t mid, const u64* eks, const u64* rks, size_t n);
+    inline void prefetch_put(uint16_t mid, const u64* eks, const u64* rks, size_t n);
 
     // Makes `rk` the most recently used key (if held).
     void touch(nb::handle keys_o);
@@ -109,11 +109,11 @@ class IndexCore {
     nb::object prefix_summary(nb::handle keys_o, nb::handle pods_o, std::vector<double> weights, bool touch,
                               bool guard, bool ranks);
 
-    nb::dict summary_dict(const Summary& res, const std::vector<std::string>& names,
-                          const std::vector<nb::handle>& given);
+    inline nb::dict summary_dict(const Summary& res, const std::vector<std::string>& names,
+                                 const std::vector<nb::handle>& given);
 
-    nb::dict rank_dict(const Summary& res, const std::vector<std::string>& names,
-                       const std::vector<nb::handle>& given);
+    inline nb::dict rank_dict(const Summary& res, const std::vector<std::string>& names,
+                              const std::vector<nb::handle>& given);
 
     // Request keys of `tokens` (xxh3_chain from `state`) and their prefix_summary, in one call:
     // (keys as uint64 bytes, rows, longest[, ranks]), or None when `guard` and a writer is inside
@@ -169,6 +169,8 @@ class IndexCore {
     void check();
 
   private:
+    // Helpers declared `inline` are defined in the one .cpp file that calls them, so that the compiler
+    // inlines them there as it did when they were defined in the class body.
     // Reads of fewer blocks keep the GIL: they take tens of microseconds, and giving the GIL up
     // costs a busy process more (the reader waits to be woken and scheduled again behind the
     // threads that took it: milliseconds on a loaded machine).  No thread waits for the GIL
@@ -181,15 +183,16 @@ class IndexCore {
     // apply_stored answers false for an orphan (a parent engine key it does not know).
     struct BatchEvent;
     struct BatchCounts;
-    static void read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t, nb::handle removed_t,
-                            nb::handle cleared_t, nb::handle tier_bits, size_t bs, std::vector<BatchEvent>& evs);
-    static bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x);
-    void apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, BatchCounts& c);
-    bool apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
-                      const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c);
+    static inline void read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t,
+                                   nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, size_t bs,
+                                   std::vector<BatchEvent>& evs);
+    static inline bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x);
+    inline void apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, BatchCounts& c);
+    inline bool apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
+                             const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c);
 
-    size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
-                          const std::vector<double>& weights, bool touch, bool guard, Summary& res);
+    inline size_t summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
+                                 const std::vector<double>& weights, bool touch, bool guard, Summary& res);
 
     // The exclusive lock, with the logged recency refreshes applied first (every writer takes it so).
     std::unique_lock<std::shared_mutex> wlock() {
@@ -200,7 +203,7 @@ class IndexCore {
 
     // Under the shared lock: append a read's matched blocks (in match order) to the touch log.
     // Returns true when the log is past TOUCH_LOG_MAX (the caller then applies it).
-    bool log_touches(const std::vector<u32>& path);
+    inline bool log_touches(const std::vector<u32>& path);
 
     // Under the exclusive lock: apply the touch log as touch_locked would have, entry by entry.
     // Moving blocks to the tail one by one leaves the untouched blocks in their order followed
@@ -208,20 +211,20 @@ class IndexCore {
     // last entry.
     void flush_touches_locked();
 
-    void relink_tail(u32 i);
+    inline void relink_tail(u32 i);
 
     // The candidates' names (None: every pod holding blocks); `given` (if asked) receives the
     // caller's objects, borrowed from `pods_o` (which the caller keeps alive).
-    std::vector<std::string> candidate_names(nb::handle pods_o, std::vector<nb::handle>* given = nullptr);
+    inline std::vector<std::string> candidate_names(nb::handle pods_o, std::vector<nb::handle>* given = nullptr);
 
     // Candidate names -> slots (unknown or empty pods are dropped; duplicates once); `idx` (if
     // given) receives each kept name's position in `names`.
-    void slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept,
-                  std::vector<size_t>* idx = nullptr);
+    inline void slots_of(const std::vector<std::string>& names, std::vector<int>& slots,
+                         std::vector<std::string>& kept, std::vector<size_t>* idx = nullptr);
 
     // Block indices of keys[0..m) into bis (NIL where absent), with their table slots, records and
     // holder arrays (up to 1 KiB) prefetched first: a walk's group of lookups overlaps its misses.
-    void lookup_group(const u64* gk, size_t m, u32* bis) const;
+    inline void lookup_group(const u64* gk, size_t m, u32* bis) const;
 
     // Walk keys for the candidate slots; emit(c, pos, mask) for every block candidate c
     // still matches; stops when no candidate matches.  `path` (if given) receives the index of
@@ -230,8 +233,8 @@ class IndexCore {
     // holder arrays are prefetched before the group is walked, so the cache misses of a group
     // overlap (the walk is bound by them: a prompt's blocks are scattered over the tables).
     template <class Emit>
-    void walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
-              std::vector<u32>* path = nullptr);
+    inline void walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
+                     std::vector<u32>* path = nullptr);
 
     // The walk of summary_locked: per candidate, blocks matched (cnt), OR of the masks (uni) and
     // the (mask, blocks) runs in first-seen order, as walk() with an emit that counts them, but
@@ -241,25 +244,25 @@ class IndexCore {
     // DP rank of every holder of c met, RID_MIXED once two differ.
     static constexpr uint32_t RID_NONE = 0x20000, RID_MIXED = 0x10000;  // rid[c] before a holder, and once two differ
 
-    void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
-                      std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
-                      std::vector<uint32_t>& rid, std::vector<u32>* path);
+    inline void summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
+                             std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
+                             std::vector<uint32_t>& rid, std::vector<u32>* path);
 
     // summary_walk's state, and its work at a block whose holders differ from the previous block's:
     // stamp the candidates holding it, drop the others from the live list, extend or start their
     // runs; false when no candidate is left.
     struct SummaryState;
-    bool summary_block(SummaryState& s, const HolderVec& hv, size_t i);
+    inline bool summary_block(SummaryState& s, const HolderVec& hv, size_t i);
 
     // Two blocks' holders are the same (pod slot, flags, attributes) in the same order.
-    static bool same_holders(const HolderVec& a, const HolderVec& b);
+    static inline bool same_holders(const HolderVec& a, const HolderVec& b);
 
-    static double mask_weight(u64 m, const std::vector<double>& w);
+    static inline double mask_weight(u64 m, const std::vector<double>& w);
 
     uint16_t pod_slot(const std::string& pod);
 
     // A pod that holds nothing gives its slot back (its empty streams go).
-    void maybe_release(uint16_t ps);
+    inline void maybe_release(uint16_t ps);
 
     Stream* stream(u64 sid) {
         auto it = streams_.find(sid);
@@ -314,7 +317,7 @@ class IndexCore {
     }
 
     // Erase ek from the stream if it maps to rk; true if it did.
-    bool s_erase_if(Stream& st, u64 ek, u64 rk);
+    inline bool s_erase_if(Stream& st, u64 ek, u64 rk);
 
     template <class F>
     void s_for_each(const Stream& st, F&& f) const {
@@ -324,12 +327,12 @@ class IndexCore {
 
     // The stream entry holder h of block bi carries becomes explicit (its engine key or level-2
     // value is about to change, or the holder goes).
-    void s_detach(u32 bi, Holder& h);
+    inline void s_detach(u32 bi, Holder& h);
 
     // Level 2's value for (mid, ek) is changing from `old`: the stream entries carried for ek
     // (all on old's record) become explicit, so that their lookups, which go through level 2,
     // still find them.
-    void s_detach_value(uint16_t mid, u64 ek, u64 old);
+    inline void s_detach_value(uint16_t mid, u64 ek, u64 old);
 
     std::optional<u64> resolve_locked(uint16_t ps, int32_t rank, uint16_t mid, u64 ek) {
         u64 rk;
@@ -357,11 +360,11 @@ class IndexCore {
     }
 
     // Drop the level-2 entry (mid, ek) carried by a holder of block bi; returns its request key.
-    void e_untake(Engine& em, u64 ek, u32 bi);
+    inline void e_untake(Engine& em, u64 ek, u32 bi);
 
     // The entries holder h (of block bi) carries move to the explicit maps, before its engine key
     // changes or it goes: the stream and level-2 contents stay what they were.
-    void detach(u32 bi, Holder& h);
+    inline void detach(u32 bi, Holder& h);
 
     size_t find_holder(const Block& b, uint16_t ps, int32_t rank) {
         uint16_t rid = rank_find(rank);
@@ -394,21 +397,21 @@ class IndexCore {
         lru_tail_ = i;
     }
 
-    void touch_locked(const u64* keys, size_t n);
+    inline void touch_locked(const u64* keys, size_t n);
 
-    u32 new_block(u64 rk);
+    inline u32 new_block(u64 rk);
 
-    void free_block(u32 i);
+    inline void free_block(u32 i);
 
     // Remove holder h of block bi; drops the block when no holder is left.
-    void erase_holder(u32 bi, size_t h);
+    inline void erase_holder(u32 bi, size_t h);
 
-    void unref_engine(u64 ek, uint16_t mid);
+    inline void unref_engine(u64 ek, uint16_t mid);
 
     // Map ek -> rk in stream st (and level 2); hd: the (pod, rank) holder of block bi, whose
     // engine key is ek, which carries the entries when it can.
     // `absent`: the caller knows st has no entry for ek (skips the lookup).
-    void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent = false);
+    inline void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent = false);
 
     // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
     void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
@@ -425,7 +428,7 @@ class IndexCore {
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.
     bool drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit);
 
-    void evict_one();
+    inline void evict_one();
 
     // End of a write call: release the slots of pods left holding nothing.
     void finish_write(uint16_t ps);
@@ -440,10 +443,7 @@ class IndexCore {
     u64 hmask(const Holder& h) const { return attrs_[h.at].mask; }
     int32_t hrank(const Holder& h) const { return rank_vals_[attrs_[h.at].rid]; }
     uint16_t hmodel(const Holder& h) const { return attrs_[h.at].model; }
-    void set_hmask(Holder& h, u64 m) {
-        Attr a = attrs_[h.at];
-        h.at = attr_id(a.model, a.rid, m);
-    }
+    inline void set_hmask(Holder& h, u64 m);
 
     // The interned (model, DP rank, tier mask) of the holders (append-only; id -> value).
     std::vector<Attr> attrs_;
@@ -454,7 +454,7 @@ class IndexCore {
     };
     AttrCache attr_cache_[16];  // recent lookups, direct-mapped
 
-    uint16_t attr_id(uint16_t model, uint16_t rid, u64 m);
+    inline uint16_t attr_id(uint16_t model, uint16_t rid, u64 m);
 
     uint16_t rank_find(int32_t r) {
         if (r == last_rank_ && last_rid_ != NO_RID) return last_rid_;
@@ -465,7 +465,7 @@ class IndexCore {
         return it->second;
     }
 
-    uint16_t rank_id(int32_t r);
+    inline uint16_t rank_id(int32_t r);
 
     std::shared_mutex mu_;
     static constexpr size_t TOUCH_LOG_MAX = size_t(1) << 16;  // logged refreshes a reader leaves (256 KiB)

@@ -62,8 +62,8 @@ nb::object IndexCore::prefix_summary(nb::handle keys_o, nb::handle pods_o, std::
     return nb::make_tuple(summary_dict(res, names, given), longest);
 }
 
-nb::dict IndexCore::summary_dict(const Summary& res, const std::vector<std::string>& names,
-                                 const std::vector<nb::handle>& given) {
+inline nb::dict IndexCore::summary_dict(const Summary& res, const std::vector<std::string>& names,
+                                        const std::vector<nb::handle>& given) {
     nb::dict out;
     for (const auto& [c, n, w, u, r] : res) {
         nb::object key = given.empty() ? nb::object(nb::str(names[c].c_str())) : nb::borrow(given[c]);
@@ -72,8 +72,8 @@ nb::dict IndexCore::summary_dict(const Summary& res, const std::vector<std::stri
     return out;
 }
 
-nb::dict IndexCore::rank_dict(const Summary& res, const std::vector<std::string>& names,
-                              const std::vector<nb::handle>& given) {
+inline nb::dict IndexCore::rank_dict(const Summary& res, const std::vector<std::string>& names,
+                                     const std::vector<nb::handle>& given) {
     nb::dict out;
     for (const auto& [c, n, w, u, r] : res) {
         if (r == NO_RANK) continue;
@@ -108,8 +108,8 @@ nb::object IndexCore::match_tokens(u64 state, nb::handle toks_o, nb::handle K_o,
     return nb::make_tuple(new_u64_array(std::move(keys)), summary_dict(res, names, given), longest);
 }
 
-size_t IndexCore::summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
-                                 const std::vector<double>& weights, bool touch, bool guard, Summary& res) {
+inline size_t IndexCore::summary_locked(const u64* keys, size_t n, const std::vector<std::string>& names,
+                                        const std::vector<double>& weights, bool touch, bool guard, Summary& res) {
     size_t longest = 0;
     bool flush = false;
     {
@@ -143,14 +143,14 @@ size_t IndexCore::summary_locked(const u64* keys, size_t n, const std::vector<st
     return longest;
 }
 
-bool IndexCore::log_touches(const std::vector<u32>& path) {
+inline bool IndexCore::log_touches(const std::vector<u32>& path) {
     if (path.empty()) return false;
     std::lock_guard<std::mutex> g(log_mu_);
     touch_log_.insert(touch_log_.end(), path.begin(), path.end());
     return touch_log_.size() > TOUCH_LOG_MAX;
 }
 
-std::vector<std::string> IndexCore::candidate_names(nb::handle pods_o, std::vector<nb::handle>* given) {
+inline std::vector<std::string> IndexCore::candidate_names(nb::handle pods_o, std::vector<nb::handle>* given) {
     std::vector<std::string> names;
     if (pods_o.is_none()) {
         std::shared_lock lk(mu_);
@@ -169,8 +169,8 @@ std::vector<std::string> IndexCore::candidate_names(nb::handle pods_o, std::vect
     return names;
 }
 
-void IndexCore::slots_of(const std::vector<std::string>& names, std::vector<int>& slots, std::vector<std::string>& kept,
-                         std::vector<size_t>* idx) {
+inline void IndexCore::slots_of(const std::vector<std::string>& names, std::vector<int>& slots,
+                                std::vector<std::string>& kept, std::vector<size_t>* idx) {
     for (size_t k = 0; k < names.size(); ++k) {
         const std::string& nm = names[k];
         auto it = pod_by_name_.find(nm);
@@ -182,7 +182,7 @@ void IndexCore::slots_of(const std::vector<std::string>& names, std::vector<int>
     }
 }
 
-void IndexCore::lookup_group(const u64* gk, size_t m, u32* bis) const {
+inline void IndexCore::lookup_group(const u64* gk, size_t m, u32* bis) const {
     for (size_t j = 0; j < m; ++j) rk_map_.prefetch(gk[j]);
     for (size_t j = 0; j < m; ++j) {
         u32 h = rk_map_.at_home(gk[j]);
@@ -201,8 +201,8 @@ void IndexCore::lookup_group(const u64* gk, size_t m, u32* bis) const {
 }
 
 template <class Emit>
-void IndexCore::walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
-                     std::vector<u32>* path) {
+inline void IndexCore::walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, Emit&& emit,
+                            std::vector<u32>* path) {
     size_t nc = cand_slot.size();
     if (nc == 0) return;
     std::vector<int> of_slot(pod_names_.size(), -1);
@@ -278,9 +278,10 @@ struct IndexCore::SummaryState {
     }
 };
 
-void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot, std::vector<size_t>& cnt,
-                             std::vector<u64>& uni, std::vector<std::vector<std::pair<u64, size_t>>>& runs,
-                             std::vector<uint32_t>& rid, std::vector<u32>* path) {
+inline void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& cand_slot,
+                                    std::vector<size_t>& cnt, std::vector<u64>& uni,
+                                    std::vector<std::vector<std::pair<u64, size_t>>>& runs,
+                                    std::vector<uint32_t>& rid, std::vector<u32>* path) {
     size_t nc = cand_slot.size();
     if (nc == 0) return;
     SummaryState s(cand_slot, pod_names_.size(), cnt, uni, runs, rid);
@@ -325,7 +326,7 @@ void IndexCore::summary_walk(const u64* keys, size_t n, const std::vector<int>& 
     for (size_t c = 0; c < nc; ++c) s.flush(c);
 }
 
-bool IndexCore::summary_block(SummaryState& s, const HolderVec& hv, size_t i) {
+inline bool IndexCore::summary_block(SummaryState& s, const HolderVec& hv, size_t i) {
     const Attr* av = attrs_.data();
     size_t hits = 0;
     for (const Holder& h : hv) {
@@ -370,7 +371,7 @@ bool IndexCore::summary_block(SummaryState& s, const HolderVec& hv, size_t i) {
     return true;
 }
 
-bool IndexCore::same_holders(const HolderVec& a, const HolderVec& b) {
+inline bool IndexCore::same_holders(const HolderVec& a, const HolderVec& b) {
     size_t n = a.size();
     if (n != b.size()) return false;
     const Holder* x = a.begin();
@@ -380,7 +381,7 @@ bool IndexCore::same_holders(const HolderVec& a, const HolderVec& b) {
     return true;
 }
 
-double IndexCore::mask_weight(u64 m, const std::vector<double>& w) {
+inline double IndexCore::mask_weight(u64 m, const std::vector<double>& w) {
     double best = 0.0;
     bool any = false;
     for (size_t b = 0; m; ++b, m >>= 1)

@@ -167,7 +167,7 @@ void IndexCore::flush_touches_locked() {
     if (touch_log_.capacity() > 2 * TOUCH_LOG_MAX) std::vector<u32>().swap(touch_log_);
 }
 
-void IndexCore::relink_tail(u32 i) {
+inline void IndexCore::relink_tail(u32 i) {
     if (i == lru_tail_) return;
     lru_unlink(i);
     lru_push(i);
@@ -192,7 +192,7 @@ uint16_t IndexCore::pod_slot(const std::string& pod) {
     return s;
 }
 
-void IndexCore::maybe_release(uint16_t ps) {
+inline void IndexCore::maybe_release(uint16_t ps) {
     if (pod_blocks_[ps] || pod_names_[ps].empty()) return;
     std::vector<u64> sids;
     for (auto& kv : streams_)
@@ -216,7 +216,7 @@ Stream& IndexCore::stream_mk(u64 sid) {
     return it->second;
 }
 
-bool IndexCore::s_erase_if(Stream& st, u64 ek, u64 rk) {
+inline bool IndexCore::s_erase_if(Stream& st, u64 ek, u64 rk) {
     if (const u64* v = st.x.find(ek)) {
         if (*v != rk) return false;
         st.x.erase(ek);
@@ -230,27 +230,27 @@ bool IndexCore::s_erase_if(Stream& st, u64 ek, u64 rk) {
     return true;
 }
 
-void IndexCore::s_detach(u32 bi, Holder& h) {
+inline void IndexCore::s_detach(u32 bi, Holder& h) {
     Stream* st = stream(stream_id(h.pod(), hmodel(h), hrank(h)));
     st->carried.erase(bi);
     h.pf &= (uint16_t)~FLAG_S;
     *st->x.emplace(h.ek).first = blocks_[bi].rk;
 }
 
-void IndexCore::s_detach_value(uint16_t mid, u64 ek, u64 old) {
+inline void IndexCore::s_detach_value(uint16_t mid, u64 ek, u64 old) {
     u32 bi = rk_map_.find(old);
     if (bi == NIL) return;
     for (Holder& h : blocks_[bi].hs)
         if ((h.pf & FLAG_S) && h.ek == ek && hmodel(h) == mid) s_detach(bi, h);
 }
 
-void IndexCore::e_untake(Engine& em, u64 ek, u32 bi) {
+inline void IndexCore::e_untake(Engine& em, u64 ek, u32 bi) {
     Holder* h = const_cast<Holder*>(em.t.key().holder(bi));
     em.t.erase(ek);
     h->pf &= (uint16_t)~FLAG_L;
 }
 
-void IndexCore::detach(u32 bi, Holder& h) {
+inline void IndexCore::detach(u32 bi, Holder& h) {
     if (!(h.pf & (FLAG_S | FLAG_L))) return;
     u64 rk = blocks_[bi].rk;
     if (h.pf & FLAG_S) s_detach(bi, h);
@@ -264,7 +264,7 @@ void IndexCore::detach(u32 bi, Holder& h) {
     }
 }
 
-void IndexCore::touch_locked(const u64* keys, size_t n) {
+inline void IndexCore::touch_locked(const u64* keys, size_t n) {
     for (size_t k = 0; k < n; ++k) {
         Found bi = rk_map_.find_ptr(keys[k]);
         if (!bi || *bi == lru_tail_) continue;
@@ -274,7 +274,7 @@ void IndexCore::touch_locked(const u64* keys, size_t n) {
     }
 }
 
-u32 IndexCore::new_block(u64 rk) {
+inline u32 IndexCore::new_block(u64 rk) {
     u32 i;
     if (!free_.empty()) {
         i = free_.back();
@@ -292,7 +292,7 @@ u32 IndexCore::new_block(u64 rk) {
     return i;
 }
 
-void IndexCore::free_block(u32 i) {
+inline void IndexCore::free_block(u32 i) {
     Block& b = blocks_[i];
     for (Holder& h : b.hs) detach(i, h);
     lru_unlink(i);
@@ -301,7 +301,7 @@ void IndexCore::free_block(u32 i) {
     free_.push_back(i);
 }
 
-void IndexCore::erase_holder(u32 bi, size_t h) {
+inline void IndexCore::erase_holder(u32 bi, size_t h) {
     Block& b = blocks_[bi];
     uint16_t ps = b.hs[h].pod();
     detach(bi, b.hs[h]);
@@ -310,7 +310,7 @@ void IndexCore::erase_holder(u32 bi, size_t h) {
     if (b.hs.empty()) free_block(bi);
 }
 
-void IndexCore::unref_engine(u64 ek, uint16_t mid) {
+inline void IndexCore::unref_engine(u64 ek, uint16_t mid) {
     if (compat_) return;
     for (size_t i = 0; i < engines_.size(); ++i) {
         if (engines_[i].first != mid) continue;
@@ -327,7 +327,7 @@ void IndexCore::unref_engine(u64 ek, uint16_t mid) {
     }
 }
 
-void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent) {
+inline void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent) {
     u64 cur = 0;
     bool has = !absent && s_find(st, ek, cur);
     if (!has || cur != rk) {
@@ -423,7 +423,7 @@ bool IndexCore::drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
     return true;
 }
 
-void IndexCore::evict_one() {
+inline void IndexCore::evict_one() {
     u32 bi = lru_head_;
     Block& b = blocks_[bi];
     u64 rk = b.rk;
@@ -452,7 +452,12 @@ void IndexCore::finish_write(uint16_t ps) {
         if (!pod_names_[p].empty()) maybe_release(p);
 }
 
-uint16_t IndexCore::attr_id(uint16_t model, uint16_t rid, u64 m) {
+inline void IndexCore::set_hmask(Holder& h, u64 m) {
+    Attr a = attrs_[h.at];
+    h.at = attr_id(a.model, a.rid, m);
+}
+
+inline uint16_t IndexCore::attr_id(uint16_t model, uint16_t rid, u64 m) {
     u64 key = ((u64)model << 16) | rid;
     AttrCache& c = attr_cache_[fmix64(key ^ (m * 0x9E3779B97F4A7C15ULL)) & 15];
     if (c.key == key && c.mask == m) return c.id;
@@ -474,7 +479,7 @@ uint16_t IndexCore::attr_id(uint16_t model, uint16_t rid, u64 m) {
     return id;
 }
 
-uint16_t IndexCore::rank_id(int32_t r) {
+inline uint16_t IndexCore::rank_id(int32_t r) {
     uint16_t id = rank_find(r);
     if (id != NO_RID) return id;
     if (rank_vals_.size() >= NO_RID) throw std::length_error("more than 65535 distinct DP ranks");
