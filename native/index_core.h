@@ -171,6 +171,7 @@ class IndexCore {
   private:
     // Helpers declared `inline` are defined in the one .cpp file that calls them, so that the compiler
     // inlines them there as it did when they were defined in the class body.
+
     // Reads of fewer blocks keep the GIL: they take tens of microseconds, and giving the GIL up
     // costs a busy process more (the reader waits to be woken and scheduled again behind the
     // threads that took it: milliseconds on a loaded machine).  No thread waits for the GIL
