@@ -31,4 +31,7 @@ def note_fallback() -> None:
     global _noted
     if not _noted:
         _noted = True
-        log.info("kvindex: compiled core not installed; using the pure-Python reference index (same results, slower)")
+        log.warning(
+            "kvindex: compiled core not installed (built only where a C++ compiler is); "
+            "using the pure-Python reference index: same results, slower"
+        )
