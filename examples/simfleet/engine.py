@@ -2,7 +2,8 @@
 
 The engine itself ships with the library (kvevents.testing); ``SimEngine`` keeps
 the simulator's defaults: model ``sim-model``, hash seed ``sim`` (also for
-:func:`block_digests` here), no replay endpoint unless one is given.
+:func:`block_digests` here), no replay endpoint unless one is given, and
+vLLM's bind-or-connect rule for the PUB endpoint.
 """
 
 from __future__ import annotations
@@ -49,11 +50,12 @@ class SimEngine(FakeEngine):
         model: str = "sim-model",
         replay_endpoint: str | None = None,
         hash_seed: str = SIM_SEED,
+        pub_bind: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
             pod=pod, endpoint=endpoint, capacity_blocks=capacity_blocks, model=model,
-            replay_endpoint=replay_endpoint, hash_seed=hash_seed, **kwargs,
+            replay_endpoint=replay_endpoint, hash_seed=hash_seed, pub_bind=pub_bind, **kwargs,
         )
 
 

@@ -172,9 +172,10 @@ class FakeEngine:
     Args:
         pod: pod id, used in the topic.
         model: model name, used in the topic.
-        endpoint: PUB endpoint; bound if it contains ``*`` or ``::`` or starts
-            with ipc:// or inproc:// (``tcp://127.0.0.1:*`` picks a free port;
-            see :attr:`endpoint`), else connected to (a router that binds).
+        endpoint: PUB endpoint (``tcp://127.0.0.1:*`` picks a free port; see
+            :attr:`endpoint`); bound or connected as ``pub_bind`` says.  vLLM's
+            own rule: bound if it contains ``*`` or ``::`` or starts with
+            ipc:// or inproc://, else connected to (a router that binds).
         replay_endpoint: ROUTER endpoint (always bound) or None for no replay.
         capacity_blocks: GPU cache size in blocks, >= 1 (LRU eviction beyond).
         dp_rank: data-parallel rank put in each batch; None leaves it out (old engines).
@@ -188,8 +189,10 @@ class FakeEngine:
             #45177 and later) if True, else ``[b"", seq, payload]`` (older engines).
         topic: the topic frame; None gives ``kv@<pod>@<model>`` ("" is vLLM's
             default when none is configured).
-        pub_bind: force binding (True) or connecting (False) the PUB socket;
-            None applies vLLM's rule above.
+        pub_bind: True (the default) binds the PUB socket whatever the
+            endpoint, as a test engine that a router dials usually should;
+            False connects it (a router that binds); None applies vLLM's rule
+            above (a host address is connected to).
         call_timeout: seconds a public method waits for the engine thread.
 
     Raises:
@@ -214,7 +217,7 @@ class FakeEngine:
         hash_algo: HashAlgo = "sha256",
         replay_with_topic: bool = True,
         topic: str | None = None,
-        pub_bind: bool | None = None,
+        pub_bind: bool | None = True,
         call_timeout: float = 30.0,
     ) -> None:
         validate_engine_args(
