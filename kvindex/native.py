@@ -612,20 +612,8 @@ class NativeKVBlockIndex(SideTables):
     def _confirm_many(self, pod: str, rks: Iterable[int]) -> None:
         spec = self._spec
         for rk in (rks.tolist() if hasattr(rks, "tolist") else rks):
-            holders = spec.get(rk)
-            if holders is None:
-                continue
-            expiry = holders.pop(pod, None)
-            if expiry is not None:
-                self._spec_order.discard((expiry, rk, pod))
-                self._c["speculative_confirmed"] += 1
-                if not holders:
-                    del spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
-                    if not mine:
-                        del self._spec_by_pod[pod]
+            if rk in spec:
+                self._confirm_speculative(pod, rk)
 
     def _mid(self, model: str | None) -> int:
         """The core's id of ``model`` (assigned on first use)."""

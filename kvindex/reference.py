@@ -674,20 +674,6 @@ class KVBlockIndex(SideTables):
         if self._spec and rk in self._spec:
             self._confirm_speculative(pod, rk)
 
-    def _confirm_speculative(self, pod: str, rk: int) -> None:
-        holders = self._spec.get(rk)
-        expiry = holders.pop(pod, None) if holders is not None else None
-        if expiry is not None:
-            self._spec_order.discard((expiry, rk, pod))
-            self._c["speculative_confirmed"] += 1
-            if not holders:
-                del self._spec[rk]
-            mine = self._spec_by_pod.get(pod)
-            if mine is not None:
-                mine.discard(rk)
-                if not mine:
-                    del self._spec_by_pod[pod]
-
     def _store_tokenless(
         self, pod: str, dp_rank: int, engine_keys: Iterable[int], bit: int, model: str | None
     ) -> int:

@@ -273,12 +273,25 @@ class SideTables:
             holders = self._spec.get(rk)
             if holders is not None and holders.get(pod) == expiry:
                 del holders[pod]
-                if not holders:
-                    del self._spec[rk]
-                mine = self._spec_by_pod.get(pod)
-                if mine is not None:
-                    mine.discard(rk)
-                    if not mine:
-                        del self._spec_by_pod[pod]
+                self._unlink_speculative(rk, pod, holders)
                 self._c["speculative_expired"] += 1
+
+    def _confirm_speculative(self, pod: str, rk: int) -> None:
+        """A BlockStored confirmed ``pod``'s speculative entry of ``rk``, if it has one."""
+        holders = self._spec.get(rk)
+        expiry = holders.pop(pod, None) if holders is not None else None
+        if expiry is not None:
+            self._spec_order.discard((expiry, rk, pod))
+            self._c["speculative_confirmed"] += 1
+            self._unlink_speculative(rk, pod, holders)
+
+    def _unlink_speculative(self, rk: int, pod: str, holders: dict[str, float]) -> None:
+        """Drop what is left of ``pod``'s speculative entry of ``rk`` (already taken out of ``holders``)."""
+        if not holders:
+            del self._spec[rk]
+        mine = self._spec_by_pod.get(pod)
+        if mine is not None:
+            mine.discard(rk)
+            if not mine:
+                del self._spec_by_pod[pod]
 
