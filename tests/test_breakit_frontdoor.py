@@ -1,0 +1,339 @@
+"""The front door under attack: Indexer.flush's guarantee, misconfiguration checks, endpoint checks, start().
+
+Real ZMQ sockets and :class:`kvevents.testing.FakeEngine`.  The oracle of
+every flush test is the engine's own cache (``FakeEngine.cached_blocks``):
+after ``flush()`` returns True the index must hold exactly those blocks for
+the pod, in the same tiers.  Bounds on how long a call may take are generous
+(a hang, not a speed, is what they catch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry
+
+from kvevents.subscriber import EngineEndpoint, endpoint_problem
+from kvevents.testing import FakeEngine
+from kvindex import Config, Indexer
+
+BS = 16
+MODEL = "m"
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def make_indexer(*engines: FakeEngine, model: str | None = MODEL, entries: list[dict] | None = None,
+                 algorithm: str | None = None, block_size: int = BS, backend: str = "auto", **kv: Any) -> Indexer:
+    cfg: dict[str, Any] = {
+        "kv_events_config": {"engines": (entries or []) + [e.engine_entry() for e in engines], **kv},
+        "token_processor_config": {"block_size": block_size},
+        "kv_block_index_config": {"backend": backend},
+    }
+    if algorithm is not None:
+        cfg["token_processor_config"]["algorithm"] = algorithm
+    if model is not None:
+        cfg["model_name"] = model
+    return Indexer(Config.from_dict(cfg))
+
+
+def prompt(i: int, blocks: int = 4) -> list[int]:
+    return [i * 100_000 + t for t in range(blocks * BS)]
+
+
+def index_view(ix: Indexer, engine: FakeEngine, model: str | None = MODEL) -> dict[int, frozenset[str]]:
+    """The index's picture of ``engine``'s pod as engine key -> tiers (only keys it can name).
+
+    Raises AssertionError when the pod holds request keys that no cached engine block maps to.
+    """
+    pod = engine.pod
+    cached = engine.cached_blocks()
+    rk_of = {h: ix.index.request_key_of(h, model) for h in cached}
+    held = ix.index.pod_keys(pod)
+    by_rk = {rk: h for h, rk in rk_of.items() if rk is not None}
+    extra = held - set(by_rk)
+    assert not extra, f"{pod}: index holds {len(extra)} request keys the engine does not cache"
+    out: dict[int, frozenset[str]] = {}
+    rks = sorted(held)
+    for rk, entries in zip(rks, ix.index.lookup(rks)):
+        tiers = frozenset(e.tier for e in entries if e.pod == pod and not e.speculative)
+        if tiers:
+            out[by_rk[rk]] = tiers
+    return out
+
+
+def assert_exact(ix: Indexer, engine: FakeEngine, model: str | None = MODEL) -> None:
+    cached = engine.cached_blocks()
+    view = index_view(ix, engine, model)
+    missing = set(cached) - set(view)
+    assert not missing, f"{engine.pod}: {len(missing)} of {len(cached)} cached blocks missing from the index"
+    wrong = {h for h in cached if view[h] != cached[h]}
+    assert not wrong, f"{engine.pod}: tiers differ for {len(wrong)} blocks"
+
+
+def call_bounded(fn: Any, bound: float) -> Any:
+    """Run ``fn`` in a thread; fail if it has not returned after ``bound`` seconds (a hang)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(bound)
+    assert not t.is_alive(), f"call still running after {bound} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+# ------------------------------------------------------------------ flush
+
+
+def test_flush_after_bursts_with_evictions_and_offloads_is_exact() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL, capacity_blocks=24) as engine, make_indexer(engine) as ix:
+        for r in range(15):
+            for p in range(6):
+                engine.serve(prompt((r * 7 + p) % 40, 1 + p % 4))
+            if r % 3 == 0:
+                engine.offload(5)
+            assert ix.flush(30), f"round {r}"
+            assert_exact(ix, engine)
+
+
+def test_flush_right_after_a_restart_that_published_nothing() -> None:
+    # the new process holds nothing; a True flush must not leave the old process's blocks
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        for i in range(5):
+            engine.serve(prompt(i))
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+        engine.restart()
+        assert engine.cached_blocks() == {}
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_during_a_restart() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        for i in range(5):
+            engine.serve(prompt(i))
+        results: list[bool] = []
+
+        def flusher() -> None:
+            for _ in range(5):
+                results.append(ix.flush(20))
+
+        t = threading.Thread(target=flusher)
+        t.start()
+        engine.restart()
+        engine.serve(prompt(50))
+        t.join(200)
+        assert not t.is_alive()
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_after_two_quick_restarts() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        for i in range(6):
+            engine.serve(prompt(i))
+        assert ix.flush(30)
+        engine.restart()
+        engine.serve(prompt(20))
+        engine.serve(prompt(21))
+        engine.restart()
+        engine.serve(prompt(30))  # seq 0 again, a third process
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_after_two_quick_restarts_with_the_same_first_prompt() -> None:
+    # each process's seq 0 stores the same blocks: only the timestamp tells them apart
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        engine.serve(prompt(1))
+        engine.serve(prompt(2))
+        assert ix.flush(30)
+        for _ in range(2):
+            engine.restart()
+            engine.serve(prompt(1))
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+@pytest.mark.parametrize("dropped", [1, 3, 10])
+def test_flush_after_dropped_messages_with_nothing_after(dropped: int) -> None:
+    with FakeEngine(pod="pod-a", model=MODEL, capacity_blocks=16) as engine, make_indexer(engine) as ix:
+        engine.serve(prompt(0))
+        assert ix.flush(30)
+        engine.drop_next(dropped)
+        for i in range(dropped):
+            engine.serve(prompt(1 + i))  # evicts: removals are lost too
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_after_drops_then_a_restart() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        engine.serve(prompt(0))
+        assert ix.flush(30)
+        engine.drop_next(2)
+        engine.serve(prompt(1))
+        engine.serve(prompt(2))
+        engine.restart()
+        engine.drop_next(1)
+        engine.serve(prompt(3))
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_with_a_dead_replay_endpoint_and_a_live_publisher() -> None:
+    dead = free_port()
+    with FakeEngine(pod="pod-a", model=MODEL) as engine:
+        entry = {**engine.engine_entry(), "replay_endpoint": f"tcp://127.0.0.1:{dead}"}
+        cfg = Config.from_dict({"model_name": MODEL, "kv_events_config": {"replay_timeout": 0.3, "engines": [entry]}})
+        with Indexer(cfg) as ix:
+            assert ix.wait_connected(20)
+            engine.serve(prompt(0))
+            engine.drop_next(1)
+            engine.serve(prompt(1))  # lost, and nobody can tell us about it
+            report = call_bounded(lambda: ix.flush_report(5), 60)
+            assert not report.ok
+            assert report.unreachable == ["pod-a/0"]
+            held = engine.cached_blocks()
+            assert set(index_view(ix, engine)) < set(held)
+
+
+def test_flush_while_a_long_bootstrap_replay_runs() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL, capacity_blocks=100_000) as engine:
+        for i in range(3000):
+            engine.serve(prompt(i, 2))
+        with make_indexer(engine) as ix:
+            assert ix.flush(120)  # the replay of 3000 batches may still be running when asked
+            assert_exact(ix, engine)
+            assert ix.completeness("pod-a")[0].complete
+
+
+def test_flush_with_twenty_engines() -> None:
+    engines = [FakeEngine(pod=f"pod-{k:02d}", model=MODEL, capacity_blocks=20) for k in range(20)]
+    try:
+        with make_indexer(*engines, concurrency=3) as ix:
+            for r in range(3):
+                for k, e in enumerate(engines):
+                    if (k + r) % 5 == 0:
+                        e.drop_next(1)
+                    for p in range(4):
+                        e.serve(prompt(k * 10 + (p + r) % 7, 1 + p % 3))
+                report = ix.flush_report(120)
+                assert report.ok, report
+                assert len(report.caught_up) == 20
+                for e in engines:
+                    assert_exact(ix, e)
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_concurrent_flushes_from_several_threads() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        failures: list[str] = []
+
+        def worker(w: int) -> None:
+            for r in range(10):
+                p = prompt(w * 1000 + r)
+                engine.serve(p)
+                if not ix.flush(60):
+                    failures.append(f"{w}/{r}: flush False")
+                    continue
+                got = ix.score(p, pods=["pod-a"]).prefix["pod-a"].matched_blocks
+                if got != 4:
+                    failures.append(f"{w}/{r}: matched {got} of 4 after a True flush")
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not any(t.is_alive() for t in threads)
+        assert failures == []
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+@pytest.mark.parametrize("timeout", [0, 0.0, -1.0])
+def test_flush_with_a_zero_or_negative_timeout_returns(timeout: float) -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        engine.serve(prompt(0))
+        ok = call_bounded(lambda: ix.flush(timeout), 30)
+        if ok:  # True must still mean it
+            assert_exact(ix, engine)
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+def test_flush_with_a_nan_timeout_does_not_hang() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        engine.drop_next(1)
+        engine.serve(prompt(0))
+        try:
+            call_bounded(lambda: ix.flush(float("nan")), 30)
+        except ValueError:
+            pass  # refusing it is fine too
+
+
+def test_flush_before_start_and_after_stop_raise() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine:
+        ix = make_indexer(engine)
+        with pytest.raises(RuntimeError):
+            ix.flush(1)
+        with pytest.raises(RuntimeError):
+            ix.flush_report(1)
+        ix.start()
+        assert ix.flush(30)
+        ix.stop()
+        with pytest.raises(RuntimeError):
+            call_bounded(lambda: ix.flush(5), 60)
+
+
+def test_flush_with_an_engine_never_reachable() -> None:
+    dead, dead_replay = free_port(), free_port()
+    entry = {"pod": "pod-x", "endpoint": f"tcp://127.0.0.1:{dead}", "replay_endpoint": f"tcp://127.0.0.1:{dead_replay}"}
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine, entries=[entry]) as ix:
+        engine.serve(prompt(0))
+        report = call_bounded(lambda: ix.flush_report(10), 60)
+        assert report.down == ["pod-x/0"]
+        assert report.caught_up == ["pod-a/0"]
+        assert report.ok
+        assert_exact(ix, engine)
+        assert not ix.wait_connected(0.5)
