@@ -337,3 +337,251 @@ def test_flush_with_an_engine_never_reachable() -> None:
         assert report.ok
         assert_exact(ix, engine)
         assert not ix.wait_connected(0.5)
+
+
+def test_flush_after_a_restart_that_published_past_the_old_seq() -> None:
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        for i in range(3):
+            engine.serve(prompt(i))
+        assert ix.flush(30)
+        engine.restart()
+        for i in range(8):
+            engine.serve(prompt(10 + i))
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+
+
+@pytest.mark.parametrize("variant", [
+    {"replay_with_topic": False},
+    {"dp_rank": None},
+    {"hash_form": "int64"},
+    {"hash_form": "bytes"},
+    {"encoding": "array"},
+    {"topic": ""},
+])
+def test_flush_is_exact_for_older_engine_variants(variant: dict[str, Any]) -> None:
+    with FakeEngine(pod="pod-a", model=MODEL, capacity_blocks=10, **variant) as engine, make_indexer(engine) as ix:
+        for r in range(4):
+            engine.serve(prompt(r))
+            engine.drop_next(1)
+            engine.serve(prompt(r + 20, 2))
+            if r == 2:
+                engine.restart()
+                engine.serve(prompt(40))
+            assert ix.flush(30), (variant, r)
+            assert_exact(ix, engine)
+
+
+# ------------------------------------------------------ misconfiguration
+
+
+class RawPublisher:
+    """A bare publisher (no replay endpoint) for events FakeEngine does not make (LoRA, salts, SGLang)."""
+
+    def __init__(self, ctx: zmq.Context, pod: str, model: str = MODEL) -> None:
+        self.pod = pod
+        self.topic = f"kv@{pod}@{model}".encode()
+        self.sock = ctx.socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.seq = 0
+
+    def entry(self, engine: str = "vllm") -> dict[str, Any]:
+        return {"pod": self.pod, "endpoint": f"tcp://127.0.0.1:{self.port}", "engine": engine}
+
+    def join(self, ix: Indexer) -> None:
+        """Send empty batches at seq 0 until the subscriber receives one (the subscription is live)."""
+        assert ix.wait_connected(20)
+        deadline = time.monotonic() + 20
+        while ix.subscriber.received == 0:
+            assert time.monotonic() < deadline, "subscription never took effect"
+            self.sock.send_multipart([self.topic, (0).to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [], 0])])
+            time.sleep(0.05)
+        self.seq = 1
+
+    def send(self, events: list[Any], rank: int | None = 0) -> None:
+        batch: list[Any] = [time.time(), events] + ([rank] if rank is not None else [])
+        self.sock.send_multipart([self.topic, self.seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+        self.seq += 1
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **extra: Any) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": extra.pop("block_size", BS), "medium": "GPU", **extra}
+
+
+def misconfigured(ix: Indexer) -> dict[tuple[str, str | None, int], tuple[str, ...]]:
+    return {(s.pod, s.model, s.dp_rank): s.misconfigured for s in ix.stats().misconfigured}
+
+
+def misconfig_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "misconfigured" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("algorithm", "engine_algo"), [("vllm_sha256", "sha256"), ("vllm_sha256_cbor", "sha256_cbor")])
+def test_a_correct_engine_is_never_flagged(algorithm: str, engine_algo: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    with FakeEngine(pod="pod-a", model=MODEL, hash_algo=engine_algo, capacity_blocks=12) as engine, \
+            make_indexer(engine, algorithm=algorithm) as ix:
+        engine.offload(3)  # nothing cached yet: no event
+        for i in range(4):
+            engine.serve(prompt(i, 1 + i % 3))
+        engine.offload(4)  # token-less CPU stores
+        engine.reset_prefix_cache()  # AllBlocksCleared
+        engine.serve(prompt(9))
+        engine.restart()
+        engine.offload(2)
+        engine.serve(prompt(10))
+        engine.serve(prompt(10, 6), report_mode="full")
+        assert ix.flush(30)
+        assert misconfigured(ix) == {}
+        assert all(s.complete for s in ix.completeness("pod-a")), ix.completeness("pod-a")
+        assert_exact(ix, engine)
+        # engine-hash mode: a prompt's request keys are the engine's hashes
+        assert ix.score(prompt(10, 6), pods=["pod-a"]).prefix["pod-a"].matched_blocks == 6
+    assert misconfig_lines(caplog) == []
+
+
+@pytest.mark.parametrize("hash_form", ["int64", "bytes"])
+def test_engine_hash_mode_accepts_every_hash_form(hash_form: str) -> None:
+    with FakeEngine(pod="pod-a", model=MODEL, hash_form=hash_form) as engine, \
+            make_indexer(engine, algorithm="vllm_sha256") as ix:
+        for i in range(6):
+            engine.serve(prompt(i))
+        assert ix.flush(30)
+        assert misconfigured(ix) == {}
+        assert ix.score(prompt(3), pods=["pod-a"]).prefix["pod-a"].matched_blocks == 4
+
+
+def test_lora_salt_and_multimodal_starts_are_not_flagged(ctx: zmq.Context) -> None:
+    pub = RawPublisher(ctx, "pod-r")
+    with make_indexer(entries=[pub.entry()], algorithm="vllm_sha256") as ix:
+        pub.join(ix)
+        toks = list(range(2 * BS))
+        # hashes the router cannot rebuild from the event alone: they must not count as a wrong algorithm
+        pub.send([stored([11, 12], None, toks, lora_name="adapter", extra_keys=[["adapter"], ["adapter"]])])
+        pub.send([stored([21, 22], None, toks, extra_keys=[["salt-1"], None])])
+        pub.send([stored([31, 32], None, toks, extra_keys=[[["mm-hash", 0]], [["mm-hash", 0]]])])
+        pub.send([stored([41], None, [], medium="CPU")])
+        assert ix.flush(30)
+        assert ix.stats().received_messages >= 5
+        assert misconfigured(ix) == {}
+
+
+def test_sglang_short_last_page_is_not_a_block_size_mismatch(ctx: zmq.Context, caplog: pytest.LogCaptureFixture) -> None:
+    # SGLang publishes one event per page and the last page of a radix node may be shorter (block_size = its length)
+    caplog.set_level(logging.WARNING)
+    pub = RawPublisher(ctx, "pod-s")
+    with make_indexer(entries=[pub.entry("sglang")]) as ix:
+        pub.join(ix)
+        toks = list(range(2 * BS + 5))
+        pub.send([
+            ["BlockStored", [101], None, toks[:BS], BS, None, "GPU"],
+            ["BlockStored", [102], 101, toks[BS:2 * BS], BS, None, "GPU"],
+            ["BlockStored", [103], 102, toks[2 * BS:], 5, None, "GPU"],
+        ])
+        pub.send([["BlockStored", [201], None, toks[:BS], BS, None, "GPU"]])
+        assert ix.flush(30)
+        assert ix.stats().received_messages >= 3
+        assert misconfigured(ix) == {}, misconfig_lines(caplog)
+        assert ix.score(toks, pods=["pod-s"]).prefix["pod-s"].matched_blocks == 2
+
+
+def test_a_wrong_hash_algorithm_is_flagged_once_and_clears_when_fixed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    pub_port, replay_port = free_port(), free_port()
+    kw: dict[str, Any] = dict(pod="pod-a", model=MODEL, endpoint=f"tcp://127.0.0.1:{pub_port}", pub_bind=True,
+                              replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    wrong = FakeEngine(hash_algo="sha256_cbor", **kw)
+    with make_indexer(wrong, algorithm="vllm_sha256") as ix:
+        for i in range(10):
+            wrong.serve(prompt(i))
+        wrong.restart()  # the same wrong configuration after a restart
+        for i in range(5):
+            wrong.serve(prompt(i))
+        assert ix.flush(30)
+        assert misconfigured(ix) == {("pod-a", MODEL, 0): ("hash_algorithm",)}
+        lines = misconfig_lines(caplog)
+        assert len(lines) == 1, lines
+        assert "vllm_sha256_cbor" in lines[0]
+        wrong.close()
+        with FakeEngine(hash_algo="sha256", **kw) as right:  # the engine comes back configured like us
+            right.serve(prompt(50))
+            assert call_bounded(lambda: ix.flush(30), 120)
+            assert misconfigured(ix) == {}
+            assert all(s.complete for s in ix.completeness("pod-a"))
+            assert_exact(ix, right)
+
+
+def test_a_wrong_block_size_is_flagged_once_and_clears_when_fixed(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    pub_port, replay_port = free_port(), free_port()
+    kw: dict[str, Any] = dict(pod="pod-a", model=MODEL, endpoint=f"tcp://127.0.0.1:{pub_port}", pub_bind=True,
+                              replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    wrong = FakeEngine(block_size=32, **kw)
+    with make_indexer(wrong) as ix:
+        for i in range(10):
+            wrong.serve(prompt(i))
+        wrong.reset_prefix_cache()
+        wrong.serve(prompt(3))
+        assert ix.flush(30)
+        assert misconfigured(ix) == {("pod-a", MODEL, 0): ("block_size",)}
+        assert len(misconfig_lines(caplog)) == 1, misconfig_lines(caplog)
+        wrong.close()
+        with FakeEngine(block_size=BS, **kw) as right:
+            right.serve(prompt(50))
+            assert call_bounded(lambda: ix.flush(30), 120)
+            assert misconfigured(ix) == {}
+            assert_exact(ix, right)
+
+
+def _model_fixed(check: str) -> None:
+    pub_port, replay_port = free_port(), free_port()
+    kw: dict[str, Any] = dict(pod="pod-a", endpoint=f"tcp://127.0.0.1:{pub_port}", pub_bind=True,
+                              replay_endpoint=f"tcp://127.0.0.1:{replay_port}")
+    wrong = FakeEngine(model="other", **kw)
+    with make_indexer(wrong) as ix:
+        for i in range(3):
+            wrong.serve(prompt(i))
+        assert ix.flush(30)
+        assert misconfigured(ix) == {("pod-a", "other", 0): ("model_name",)}
+        wrong.close()
+        with FakeEngine(model=MODEL, **kw) as right:  # the pod comes back serving the model scored
+            right.serve(prompt(50))
+            assert call_bounded(lambda: ix.flush(30), 120)
+            if check == "blocks":
+                # the new process's blocks are filed under the model its topic names
+                assert ix.score(prompt(50), pods=["pod-a"]).prefix["pod-a"].matched_blocks == 4
+                assert ix.score(prompt(50), pods=["pod-a"], model="other").prefix["pod-a"].matched_blocks == 0
+                assert ix.index.pod_keys("pod-a") == {ix.index.request_key_of(h, MODEL) for h in right.cached_blocks()}
+            else:
+                # the process that published "other" is gone: its flag should not stay
+                assert misconfigured(ix) == {}, ix.completeness("pod-a")
+
+
+def test_an_engine_back_with_another_model_has_its_blocks_filed_under_that_model() -> None:
+    _model_fixed("blocks")
+
+
+def test_a_model_name_flag_clears_when_the_engine_comes_back_with_the_right_model() -> None:
+    _model_fixed("flag")
+
+
+def test_misconfigured_ranks_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    engines = [FakeEngine(pod="pod-a", model=MODEL, block_size=32, dp_rank=r) for r in range(2)]
+    try:
+        entries = [{**e.engine_entry(), "pod": "pod-a", "dp_rank": r} for r, e in enumerate(engines)]
+        # one pod, two DP ranks on unrelated ports: two entries cannot share a pod id, so use two pods
+        entries[1]["pod"] = "pod-b"
+        with make_indexer(entries=entries) as ix:
+            for _ in range(3):
+                for i in range(5):
+                    for e in engines:
+                        e.serve(prompt(i))
+                assert ix.flush(30)
+            assert set(misconfigured(ix).values()) == {("block_size",)}
+            assert len(misconfig_lines(caplog)) == len(misconfigured(ix)), misconfig_lines(caplog)
+    finally:
+        for e in engines:
+            e.close()
