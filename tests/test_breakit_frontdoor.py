@@ -585,3 +585,79 @@ def test_misconfigured_ranks_are_logged_once_each(caplog: pytest.LogCaptureFixtu
     finally:
         for e in engines:
             e.close()
+
+
+# ------------------------------------------------------ endpoint checks
+
+GOOD_CONNECT = ["tcp://[::1]:5557", "tcp://127.0.0.1:65535", "tcp://h:1", "tcp://engine-0.svc.cluster.local:5557",
+                "ipc:///tmp/kv.sock", "inproc://kv", "tcp://[fe80::1%eth0]:5557"]
+BAD_CONNECT = ["tcp://::1:5557", "tcp://[::]:5557", "tcp://*:5557", "tcp://host:0", "tcp://host:65536", "tcp://host:*",
+               "tcp://ho st:5557", " tcp://host:5557", "tcp://host:5557 ", "tcp://host:5557\n", "tcp://:1", "tcp://[]:1",
+               "TCP://h:1", "tcp://h:1/", "ipc://", "inproc://", "udp://h:1", "h:1", "", "tcp://eth0;h:1",
+               # accepted by the check but refused by ZMQ at start() (a late, field-less error)
+               "tcp://h:\u0665\u0665\u0665\u0667", "tcp://h:\uff11\uff12", "tcp://h:\u00b2", "tcp://h\u00f4st:5557",
+               "tcp://\x00:1", "tcp://h\x00:1", "tcp://user@h:1", "tcp://[[::1]:1", "tcp://[::1]]:1",
+               "ipc://" + "a" * 300]
+
+
+@pytest.mark.parametrize("endpoint", GOOD_CONNECT)
+def test_endpoints_zmq_takes_pass_the_check(endpoint: str, ctx: zmq.Context) -> None:
+    assert endpoint_problem(endpoint) is None
+    s = ctx.socket(zmq.SUB)
+    try:
+        s.connect(endpoint)  # what the subscriber will do with it
+    finally:
+        s.close(linger=0)
+
+
+@pytest.mark.parametrize("endpoint", BAD_CONNECT)
+def test_bad_connect_endpoints_are_refused_in_the_config_naming_the_field(endpoint: str) -> None:
+    problem = endpoint_problem(endpoint)
+    assert isinstance(problem, str) and problem
+    with pytest.raises(ValueError, match=r"engines\[0\]\.endpoint"):
+        Config.from_dict({"kv_events_config": {"engines": [{"pod": "p", "endpoint": endpoint}]}})
+    with pytest.raises(ValueError, match=r"replay_endpoint"):
+        Config.from_dict({"kv_events_config": {"engines": [
+            {"pod": "p", "endpoint": "tcp://h:1", "replay_endpoint": endpoint}]}})
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://*:5557", "tcp://[::]:5557", "tcp://0.0.0.0:5557", "ipc:///tmp/kv-bind.sock"])
+def test_wildcards_are_fine_where_we_bind(endpoint: str) -> None:
+    assert endpoint_problem(endpoint, bind=True) is None
+    cfg = Config.from_dict({"kv_events_config": {"zmq_endpoint": endpoint}})
+    assert cfg.kv_events_config.zmq_endpoint == endpoint
+
+
+def test_dp_ranks_past_the_last_port_are_refused() -> None:
+    with pytest.raises(ValueError):
+        Config.from_dict({"kv_events_config": {"engines": [
+            {"pod": "p", "endpoint": "tcp://h:65535", "replay_endpoint": "tcp://h:65000", "dp_size": 2}]}})
+
+
+@pytest.mark.parametrize("bad", [
+    {"endpoint": "tcp://*:1", "pod": "p"},
+    {"endpoint": "tcp://h:1", "pod": ""},
+    {"endpoint": "tcp://h:1", "pod": "p", "dp_size": 0},
+    {"endpoint": "tcp://h:1", "pod": "p", "replay_endpoint": "tcp://h:0"},
+    {"endpoint": 5557, "pod": "p"},
+    {"endpoint": "tcp://h:\uff11\uff12", "pod": "p"},
+])
+def test_add_engine_refuses_bad_entries_at_the_call(bad: dict[str, Any]) -> None:
+    with make_indexer() as ix:
+        with pytest.raises((ValueError, TypeError)):
+            ix.add_engine(EngineEndpoint(**bad))
+        assert ix.subscriber.connected() == {}
+        assert ix.flush(10)
+    with make_indexer() as ix:
+        with pytest.raises(TypeError):
+            ix.add_engine({"endpoint": "tcp://h:1", "pod": "p"})  # type: ignore[arg-type]
+
+
+def test_a_config_zmq_refuses_fails_start_without_leaving_threads() -> None:
+    ix = Indexer(Config.from_dict({"kv_events_config": {"engines": [{"pod": "p", "endpoint": "ipc://" + "a" * 300}]}}))
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises((ValueError, zmq.ZMQError)):
+        ix.start()
+    leftover = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert leftover == []
+    ix.stop()
