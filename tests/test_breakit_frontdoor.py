@@ -664,3 +664,161 @@ def test_start_that_cannot_bind_raises_without_leaving_threads(ctx: zmq.Context)
     assert leftover == []  # the pool's workers too: left running they keep the index alive past exit
     ix.stop()
     taken.close(linger=0)
+
+
+# ------------------------------------------------ start() against odd peers
+
+
+class SilentTCP:
+    """A TCP server that accepts connections and never speaks ZMTP (or, with ``close``, hangs up at once)."""
+
+    def __init__(self, close: bool = False, garbage: bool = False) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(16)
+        self.port = self.srv.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.close_at_once, self.garbage = close, garbage
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.srv.settimeout(0.1)
+        while not self._stop:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                continue
+            if self.garbage:
+                try:
+                    c.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n" * 4)
+                except OSError:
+                    pass
+            if self.close_at_once:
+                c.close()
+            else:
+                self.conns.append(c)
+
+    def close(self) -> None:
+        self._stop = True
+        self.thread.join(5)
+        for c in self.conns:
+            c.close()
+        self.srv.close()
+
+
+@pytest.mark.parametrize("peer", ["refused", "silent", "hangs-up", "garbage", "unresolvable"])
+def test_start_returns_with_an_engine_that_never_speaks_zmq(peer: str) -> None:
+    server = None
+    if peer == "refused":
+        ep = f"tcp://127.0.0.1:{free_port()}"
+    elif peer == "unresolvable":
+        ep = "tcp://no-such-engine.invalid:5557"
+    else:
+        server = SilentTCP(close=peer == "hangs-up", garbage=peer == "garbage")
+        ep = f"tcp://127.0.0.1:{server.port}"
+    try:
+        with FakeEngine(pod="pod-a", model=MODEL) as engine:
+            engine.serve(prompt(0))
+            entries = [{"pod": "pod-x", "endpoint": ep, "replay_endpoint": ep}]
+            ix = make_indexer(engine, entries=entries, connect_timeout=1.0, replay_timeout=0.5)
+            call_bounded(ix.start, 60)  # bounded by connect_timeout + 1 s by its documentation
+            try:
+                assert ix.subscriber.connected()[("pod-x", 0)] is False
+                assert ix.subscriber.connected()[("pod-a", 0)] is True
+                assert call_bounded(lambda: ix.wait_connected(1.0), 30) is False
+                report = call_bounded(lambda: ix.flush_report(10), 60)
+                assert report.down == ["pod-x/0"] and report.caught_up == ["pod-a/0"]
+                assert_exact(ix, engine)
+            finally:
+                call_bounded(ix.stop, 60)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def test_wait_connected_turns_true_when_a_late_engine_comes_up() -> None:
+    pub_port, replay_port = free_port(), free_port()
+    entry = {"pod": "pod-a", "endpoint": f"tcp://127.0.0.1:{pub_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+    with make_indexer(entries=[entry], connect_timeout=1.0) as ix:
+        assert not ix.wait_connected(0.3)
+        with FakeEngine(pod="pod-a", model=MODEL, endpoint=entry["endpoint"], pub_bind=True,
+                        replay_endpoint=entry["replay_endpoint"]) as engine:
+            engine.serve(prompt(0))
+            assert ix.wait_connected(60)
+            assert ix.flush(30)
+            assert_exact(ix, engine)
+
+
+# ------------------------------------------- two indexers, metrics, exit
+
+
+def test_two_indexers_share_a_registry_by_namespace() -> None:
+    from prometheus_client import generate_latest
+
+    reg = CollectorRegistry()
+    with FakeEngine(pod="pod-a", model=MODEL) as ea, FakeEngine(pod="pod-b", model=MODEL) as eb:
+        cfg_a = Config.from_dict({"model_name": MODEL, "kv_events_config": {"engines": [ea.engine_entry()]}})
+        cfg_b = Config.from_dict({"model_name": MODEL, "kv_events_config": {"engines": [eb.engine_entry()]}})
+        with Indexer(cfg_a, metrics_registry=reg, metrics_namespace="a") as ia, \
+                Indexer(cfg_b, metrics_registry=reg, metrics_namespace="b") as ib:
+            with pytest.raises(ValueError):
+                Indexer(cfg_a, metrics_registry=reg, metrics_namespace="a")
+            with pytest.raises(ValueError):
+                Indexer(cfg_a, metrics_namespace="not a name")
+            for i in range(3):
+                ea.serve(prompt(i))
+            eb.serve(prompt(9))
+            assert ia.flush(30) and ib.flush(30)
+            stored = {ns: reg.get_sample_value(f"{ns}_kvindex_blocks_stored_total") for ns in ("a", "b")}
+            assert stored == {"a": 12.0, "b": 4.0}  # each indexer counts only its own engine
+            text = generate_latest(reg).decode()
+            a_lines = [ln for ln in text.splitlines() if ln.startswith("a_kvindex_")]
+            assert a_lines and not any('pod="pod-b"' in ln for ln in a_lines)
+
+
+EXIT_SCRIPT = textwrap.dedent('''
+    import gc, sys
+    from kvevents.testing import FakeEngine
+    from kvindex import Config, Indexer
+    backend, mode = sys.argv[1], sys.argv[2]
+    engine = FakeEngine(pod="pod-a", model="m")
+    cfg = Config.from_dict({"model_name": "m", "kv_block_index_config": {"backend": backend},
+                            "kv_events_config": {"engines": [engine.engine_entry()]}})
+    for i in range(20):
+        engine.serve([i * 1000 + t for t in range(64)])
+    if mode == "kept":
+        ix = Indexer(cfg).start()
+        assert ix.flush(30)
+        ix.score(list(range(64)))
+    elif mode == "dropped":
+        Indexer(cfg).start()  # no reference kept, never stopped
+        gc.collect()
+    elif mode == "two":
+        a = Indexer(cfg, metrics_namespace="a").start()
+        b = Indexer(cfg, metrics_namespace="b").start()
+        assert a.flush(30) and b.flush(30)
+    elif mode == "bind-fails":
+        import zmq
+        taken = zmq.Context().socket(zmq.PUB)
+        port = taken.bind_to_random_port("tcp://127.0.0.1")
+        bad = Config.from_dict({"kv_block_index_config": {"backend": backend},
+                                "kv_events_config": {"zmq_endpoint": f"tcp://127.0.0.1:{port}"}})
+        try:
+            Indexer(bad).start()
+        except zmq.ZMQError:
+            pass
+    print("done", flush=True)
+''')
+
+
+@pytest.mark.parametrize("backend", ["native", "python", "auto"])
+@pytest.mark.parametrize("mode", ["kept", "dropped", "two", "bind-fails"])
+def test_interpreter_exit_without_stop_reports_no_leak(backend: str, mode: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, backend, mode], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "done" in proc.stdout
+    assert "leak" not in proc.stderr.lower(), proc.stderr[-3000:]
