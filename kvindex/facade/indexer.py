@@ -21,7 +21,6 @@ import atexit
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
@@ -47,8 +46,9 @@ __all__ = ["Indexer", "Score", "IndexerStats", "FlushReport"]
 
 log = logging.getLogger("indexer")
 
-#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`)
-_RUNNING: weakref.WeakSet[Indexer] = weakref.WeakSet()
+#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`); held
+#: strongly: a started indexer the caller dropped still has running workers, which must be stopped too
+_RUNNING: set[Indexer] = set()
 
 
 @atexit.register
