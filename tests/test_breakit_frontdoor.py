@@ -822,3 +822,18 @@ def test_interpreter_exit_without_stop_reports_no_leak(backend: str, mode: str) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done" in proc.stdout
     assert "leak" not in proc.stderr.lower(), proc.stderr[-3000:]
+
+
+def test_a_stream_is_complete_again_after_a_restart_that_published_nothing() -> None:
+    # after the restart is found and the old blocks cleared, index and engine both hold nothing
+    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
+        for i in range(3):
+            engine.serve(prompt(i))
+        assert ix.flush(30)
+        engine.restart()
+        assert ix.flush(30)
+        assert_exact(ix, engine)
+        deadline = time.monotonic() + 30
+        while not all(s.complete for s in ix.completeness("pod-a")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(s.complete for s in ix.completeness("pod-a")), ix.completeness("pod-a")
