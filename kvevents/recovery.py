@@ -90,7 +90,9 @@ class _Recovery:
 
     def _replay_items(self, st: _Stream, start: int) -> Iterator[tuple[int, EventBatch | None]]:
         """(seq, batch or None when unreadable) of the engine's buffered batches from ``start``."""
-        for _topic, seq_frame, payload in self.replay.request(st.replay_endpoint, start):
+        for topic, seq_frame, payload in self.replay.request(st.replay_endpoint, start):
+            if topic is not None and st.model is not None and parse_topic(topic)[1] not in (None, st.model):
+                continue  # another model's stream (the engine came back serving another model): not ours
             try:
                 seq = decode_seq(seq_frame)
             except PayloadError as exc:

@@ -98,6 +98,9 @@ class EngineEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
 
+#: longest ipc:// path ZMQ takes (Linux sockaddr_un.sun_path: 108 bytes with the terminating NUL)
+_IPC_PATH_MAX = 107
+
 
 def endpoint_problem(endpoint: object, *, bind: bool = False) -> str | None:
     """What is wrong with a ZMQ endpoint, or None when it is usable.
@@ -117,15 +120,22 @@ def endpoint_problem(endpoint: object, *, bind: bool = False) -> str | None:
         return f"{endpoint!r}: unknown scheme {scheme!r} (expected one of {', '.join(ENDPOINT_SCHEMES)})"
     if not rest:
         return f"{endpoint!r}: empty address"
+    if "\x00" in rest:
+        return f"{endpoint!r}: NUL character in the address"
+    if scheme == "ipc" and len(rest.encode()) > _IPC_PATH_MAX:
+        return f"{endpoint!r}: ipc path longer than {_IPC_PATH_MAX} bytes (the socket address limit)"
     if scheme != "tcp":
         return None
     host, colon, port = rest.rpartition(":")
     if not colon or not host:
         return f"{endpoint!r}: a tcp endpoint needs host:port"
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
+    # ASCII digits only: str.isdigit() also takes other scripts' digits (ZMQ refuses them)
+    if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         return f"{endpoint!r}: port {port!r} is not in 1..65535"
+    if not host.isascii() or "@" in host:
+        return f"{endpoint!r}: invalid host {host!r} (ASCII name or address, no user part)"
     if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
+        if not host.endswith("]") or len(host) < 3 or "[" in host[1:] or "]" in host[:-1]:
             return f"{endpoint!r}: unbalanced brackets around the IPv6 host"
     elif ":" in host:
         return f"{endpoint!r}: put an IPv6 host in brackets, e.g. tcp://[::1]:{port}"
@@ -153,6 +163,8 @@ def check_engine(engine: EngineEndpoint, field: str = "engine") -> None:
             value = getattr(engine, name)
             if value is not None and not value.startswith("tcp://"):
                 raise ValueError(f"{field}.{name}: dp_size > 1 needs a tcp endpoint (ranks use port + rank)")
+            if value is not None and int(value.rpartition(":")[2]) + engine.dp_size - 1 > 65535:
+                raise ValueError(f"{field}.{name}: the last DP rank's port (port + dp_size - 1) is past 65535")
 
 
 def offset_port(endpoint: str, offset: int) -> str:

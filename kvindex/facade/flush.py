@@ -68,7 +68,7 @@ Applied = tuple[int, float | None]  # (seq, engine timestamp) of a stream's last
 class _Target:
     """One engine DP rank being waited for."""
 
-    __slots__ = ("pod", "rank", "endpoint", "model", "engine", "goal", "held", "seen", "since", "nudge")
+    __slots__ = ("pod", "rank", "endpoint", "model", "engine", "goal", "held", "gone", "seen", "since", "nudge")
 
     def __init__(self, pod: str, rank: int, endpoint: str, model: str | None, engine: str) -> None:
         self.pod = pod
@@ -78,6 +78,9 @@ class _Target:
         self.engine = engine  # payload format
         self.goal: int | None = None  # the engine's newest seq when asked (None: nothing to wait for)
         self.held: Applied | None = None  # a batch of ours the engine was seen to hold
+        # our last applied batch when the engine answered that it holds nothing at all: a new
+        # process that has published nothing yet; done once the pool's stream moved off it
+        self.gone: Applied | None = None
         self.seen: Applied | None = None  # the stream's last applied batch at the last look
         self.since = time.monotonic()  # when ``seen`` last changed (or the pool was last asked to look)
         self.nudge = _NUDGE_AFTER
@@ -160,12 +163,14 @@ def _set_goals(ctx: zmq.Context, pool: EventPool, targets: list[_Target], idx: l
             t.model = parse_topic(tail.topic)[1] or t.model
         t.held = a if a is not None and t.holds(tail, a) else None
         t.goal = tail.last
+        t.gone = None
         if tail.last is None and a is not None:
             again[i] = 0
     for i, tail in (_ask(ctx, targets, again, timeout) if again else {}).items():
         tails[i] = tail
         if tail is not None:
             targets[i].goal = tail.last
+            targets[i].gone = applied[i] if tail.last is None else None
     return {i for i, tail in tails.items() if tail is None}
 
 
@@ -198,7 +203,7 @@ def _confirm(
         lost.update(failed)
         finished.update(failed)
         for i in retarget:
-            if i not in failed and targets[i].goal is None:
+            if i not in failed and targets[i].goal is None and targets[i].gone is None:
                 done.append(targets[i].label)
                 finished.add(i)
     return finished
@@ -225,19 +230,32 @@ def flush_engines(
     ctx = pool.zmq_context
     ask_for = min(replay_timeout, timeout)
     lost = _set_goals(ctx, pool, targets, list(range(len(targets))), ask_for) if targets and drained else set()
-    pending = [i for i in range(len(targets)) if i not in lost and (targets[i].goal is not None or not drained)]
+    pending = [
+        i for i in range(len(targets))
+        if i not in lost and (targets[i].goal is not None or targets[i].gone is not None or not drained)
+    ]
     done = [targets[i].label for i in range(len(targets)) if i not in lost and i not in pending]
     while pending and drained:
         check: dict[int, Applied] = {}
+        cleared: set[int] = set()
         now = time.monotonic()
         for i in pending:
             t = targets[i]
             a = _applied(pool, t)
+            if t.gone is not None:
+                if a is None:  # the pool has seen the restart and cleared the old process's blocks
+                    cleared.add(i)
+                elif a != t.gone:  # ... and applied the new process's: confirmed like any other
+                    t.gone = None
+                    check[i] = a
+                continue
             if a is not None and t.goal is not None and a[0] >= t.goal:
                 check[i] = a
             elif t.stalled(a, now):
                 pool.bootstrap(t.source(), t.pod, t.rank)  # a look at the buffer from our last batch on
         finished = _confirm(ctx, pool, targets, check, done, lost, ask_for) if check else set()
+        done.extend(targets[i].label for i in cleared)
+        finished |= cleared
         pending = [i for i in pending if i not in finished]
         if not pending or time.monotonic() >= deadline:
             break

@@ -21,7 +21,6 @@ import atexit
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Collection, Mapping, Sequence
 from itertools import repeat
 
@@ -47,8 +46,9 @@ __all__ = ["Indexer", "Score", "IndexerStats", "FlushReport"]
 
 log = logging.getLogger("indexer")
 
-#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`)
-_RUNNING: weakref.WeakSet[Indexer] = weakref.WeakSet()
+#: indexers between start() and stop(), stopped at interpreter exit (see :func:`_stop_running`); held
+#: strongly: a started indexer the caller dropped still has running workers, which must be stopped too
+_RUNNING: set[Indexer] = set()
 
 
 @atexit.register
@@ -246,10 +246,15 @@ class Indexer:
         address dropping packets: after ``kv_events_config.connect_timeout``,
         the bound of one TCP attempt).  Engines not up are named in one
         warning and subscribed to in the background; :meth:`wait_connected`
-        is the explicit wait for them.
+        is the explicit wait for them.  Raises the socket error (e.g.
+        zmq.ZMQError for a bind address in use) with nothing left running.
         """
         self.pool.start()
-        self.subscriber.start()
+        try:
+            self.subscriber.start()
+        except BaseException:
+            self.pool.stop()  # its workers would keep the index alive past interpreter exit
+            raise
         _RUNNING.add(self)
         wait = self.config.kv_events_config.connect_timeout
         if wait > 0:
