@@ -138,6 +138,8 @@ class StreamCheck:
         for ev in events:
             if type(ev) is not BlockStored or not ev.token_ids:
                 continue
+            if len(ev.token_ids) < bs:
+                continue  # shorter than one of our blocks: SGLang's short last page of a node, not evidence
             sizes.add(ev.block_size)
             if ev.block_size == bs and not self._hash_ok and _hashable(ev, bs):
                 self._hashes(tp, ev)
