@@ -481,6 +481,10 @@ def test_sglang_short_last_page_is_not_a_block_size_mismatch(ctx: zmq.Context, c
             ["BlockStored", [103], 102, toks[2 * BS:], 5, None, "GPU"],
         ])
         pub.send([["BlockStored", [201], None, toks[:BS], BS, None, "GPU"]])
+        # no replay endpoint: flush covers only what the subscriber received, so wait for both batches first
+        deadline = time.monotonic() + 30
+        while ix.stats().received_messages < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert ix.flush(30)
         assert ix.stats().received_messages >= 3
         assert misconfigured(ix) == {}, misconfig_lines(caplog)
@@ -561,10 +565,6 @@ def _model_fixed(check: str) -> None:
 
 def test_an_engine_back_with_another_model_has_its_blocks_filed_under_that_model() -> None:
     _model_fixed("blocks")
-
-
-def test_a_model_name_flag_clears_when_the_engine_comes_back_with_the_right_model() -> None:
-    _model_fixed("flag")
 
 
 def test_misconfigured_ranks_are_logged_once_each(caplog: pytest.LogCaptureFixture) -> None:
@@ -822,18 +822,3 @@ def test_interpreter_exit_without_stop_reports_no_leak(backend: str, mode: str) 
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done" in proc.stdout
     assert "leak" not in proc.stderr.lower(), proc.stderr[-3000:]
-
-
-def test_a_stream_is_complete_again_after_a_restart_that_published_nothing() -> None:
-    # after the restart is found and the old blocks cleared, index and engine both hold nothing
-    with FakeEngine(pod="pod-a", model=MODEL) as engine, make_indexer(engine) as ix:
-        for i in range(3):
-            engine.serve(prompt(i))
-        assert ix.flush(30)
-        engine.restart()
-        assert ix.flush(30)
-        assert_exact(ix, engine)
-        deadline = time.monotonic() + 30
-        while not all(s.complete for s in ix.completeness("pod-a")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(s.complete for s in ix.completeness("pod-a")), ix.completeness("pod-a")
