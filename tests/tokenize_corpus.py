@@ -102,7 +102,7 @@ def completion_case(rng: random.Random) -> dict[str, Any]:
     """One /v1/completions body: a text, ids, or a batch of either."""
     def one() -> Any:
         if rng.random() < 0.3:
-            return [rng.randrange(3, 600) for _ in range(rng.randint(1, 40))]
+            return [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
         return text(rng, 1, 30)
     r = rng.random()
     body: dict[str, Any] = {"prompt": one() if r < 0.7 else [one() for _ in range(rng.randint(2, 3))]}
