@@ -49,3 +49,18 @@ def test_the_tokenizer_section_reads_from_config_files(model_dir: Path) -> None:
     assert config.tokenizer is not None and config.tokenizer.chat_template == "{{ messages }}"
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({**data, "tokenizer": {"model_dir": "x", "chat_templat": "typo"}}, RouterConfig)
+
+
+def test_an_answer_with_cached_tokens_is_reported_as_truth(model_dir: Path) -> None:
+    from examples.router.app import Decision
+    from kvindex import Config, Indexer
+
+    router = _router(model_dir)
+    router.indexer = Indexer(Config())
+    d = Decision(id=1, path="/v1/completions", policy="kvindex", pod="pod-0", token_source="local", prompt_tokens=100,
+                 request_blocks=3, matched_tokens=96, predicted_cached_tokens=96, matched={}, totals={}, stream=False)
+    router.report_truth(d, msgspec.json.encode({"usage": {"prompt_tokens_details": {"cached_tokens": 64}}}))
+    router.report_truth(d, b'{"usage": {"prompt_tokens": 100}}')  # no details: not reported
+    router.report_truth(d, b"not json")
+    t = router.indexer.prediction_truth()["pod-0"]
+    assert (t.requests, t.predicted, t.confirmed, t.over) == (1, 96, 64, 32)

@@ -917,6 +917,8 @@ class Router:
                 out_headers.update(extra)
                 if up.headers.get("Content-Length") is not None:
                     body = await up.read()
+                    if up.status == 200:
+                        self.report_truth(decision, body)
                     return web.Response(status=up.status, body=body, headers=out_headers)
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 await resp.prepare(request)
@@ -929,6 +931,22 @@ class Router:
             return web.Response(
                 status=502, body=msgspec.json.encode(err), content_type="application/json", headers=extra
             )
+
+    def report_truth(self, decision: Decision, answer: bytes) -> None:
+        """Hand the engine's cached tokens for a routed request to the indexer (``Indexer.report_cached``).
+
+        Read from a JSON answer's ``usage.prompt_tokens_details.cached_tokens``
+        (vLLM with ``--enable-prompt-tokens-details``); answers without it are skipped.
+        """
+        if self.indexer is None:
+            return
+        try:
+            usage = msgspec.json.decode(answer).get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except (msgspec.DecodeError, AttributeError):
+            return
+        if type(cached) is int and cached >= 0:
+            self.indexer.report_cached(decision.pod, decision.predicted_cached_tokens, cached)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """``GET /v1/models`` from the first healthy engine."""
