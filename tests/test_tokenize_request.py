@@ -130,8 +130,9 @@ def test_completion_shapes(tok: RequestTokenizer) -> None:
     assert one.token_ids[: len(bos)] == bos
     batch = tok.completion({"prompt": ["a", [5, 6]], "add_special_tokens": False})
     assert batch.prompts == [tok.encode("a", add_special_tokens=False), [5, 6]]
-    assert tok.tokenize("/tokenize", {"prompt": ["a", [5, 6]], "add_special_tokens": False}).prompts == \
-        [tok.encode("a", add_special_tokens=False) + [5, 6]]
+    assert tok.tokenize("/tokenize", {"prompt": "a", "add_special_tokens": False}).prompts == \
+        [tok.encode("a", add_special_tokens=False)]
+    assert not tok.tokenize("/tokenize", {"prompt": [5, 6]}).exact  # /tokenize takes one text prompt
 
 
 def test_forwarded_prompt_ids_are_used_as_they_are(tok: RequestTokenizer) -> None:

@@ -11,9 +11,9 @@ Mirrors vLLM 0.32's OpenAI server for Hugging Face tokenizers:
   False for chat);
 - completions (/v1/completions, /tokenize with ``prompt``): a text prompt is
   encoded with ``add_special_tokens`` (default True: BOS etc.), token ids are
-  taken as given, a list of prompts is a batch (one entry per prompt;
-  /tokenize concatenates them), as vllm/renderers/inputs/preprocess.py
-  ``prompt_to_seq``.
+  taken as given, a list of prompts is a batch (one entry per prompt), as
+  vllm/renderers/inputs/preprocess.py ``prompt_to_seq``; /tokenize takes one
+  text prompt only (vllm/entrypoints/serve/tokenize/protocol.py).
 
 Not reproduced (the result says ``exact=False`` and why, and carries no ids):
 multimodal or other non-text content parts, ``prompt_embeds``, ``suffix``,
@@ -45,9 +45,9 @@ TOKENIZE_PATHS = ("/tokenize",)
 class TokenizedRequest(msgspec.Struct, frozen=True):
     """The token ids of a request, or why they cannot be given exactly.
 
-    ``prompts``: one list of ids per prompt the engine prefills (one for chat;
-    a completions batch gives one per prompt; /tokenize gives their
-    concatenation as one); empty when ``exact`` is False. ``reason``: why not
+    ``prompts``: one list of ids per prompt the engine prefills (one for chat
+    and /tokenize; a completions batch gives one per prompt); empty when
+    ``exact`` is False. ``reason``: why not
     exact. ``reused_tokens``: ids taken from the multi-turn cache (the rest
     were encoded for this request).
     """
@@ -146,11 +146,13 @@ class RequestTokenizer:
             if path in CHAT_PATHS:
                 return self._chat(body, is_tokenize=False)
             if path in COMPLETION_PATHS:
-                return self._completion(body, concat=False)
+                return self._completion(body)
             if path in TOKENIZE_PATHS:
                 if "messages" in body:
                     return self._chat(body, is_tokenize=True)
-                return self._completion(body, concat=True)
+                if not isinstance(body.get("prompt"), str):
+                    raise Inexact("invalid request: /tokenize takes one text prompt")
+                return self._completion(body)
         except Inexact as e:
             return _inexact(str(e))
         return _inexact(f"unsupported path {path!r}")
@@ -240,7 +242,7 @@ class RequestTokenizer:
 
     # -- completions ---------------------------------------------------------
 
-    def _completion(self, body: Mapping[str, Any], *, concat: bool) -> TokenizedRequest:
+    def _completion(self, body: Mapping[str, Any]) -> TokenizedRequest:
         _reject_unsupported(body)
         if body.get("prompt_embeds") is not None:
             raise Inexact("prompt_embeds are not supported")
@@ -257,8 +259,6 @@ class RequestTokenizer:
                 if any(t >= self._vocab for t in prompt):
                     raise Inexact("invalid request: a token id beyond the vocabulary")
                 out.append(list(prompt))
-        if concat:
-            out = [[t for p in out for t in p]]
         return TokenizedRequest(prompts=out, exact=True)
 
 
