@@ -136,6 +136,9 @@ def _strip_billing_header(parts: list[Any]) -> list[Any]:
 
 def _content(role: str, content: Any, fmt: ContentFormat) -> str | list[dict[str, Any]]:
     """A message's content as the template sees it (a string, or text parts in "openai" format)."""
+    if isinstance(content, str) and (fmt == "string" or role == "tool") and not (
+            role == "system" and content.startswith(BILLING_HEADER)):
+        return content  # the common case: one text part, joined
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
