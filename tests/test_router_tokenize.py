@@ -64,3 +64,9 @@ def test_an_answer_with_cached_tokens_is_reported_as_truth(model_dir: Path) -> N
     router.report_truth(d, b"not json")
     t = router.indexer.prediction_truth()["pod-0"]
     assert (t.requests, t.predicted, t.confirmed, t.over) == (1, 96, 64, 32)
+
+
+def test_token_id_prompts_are_used_as_given(model_dir: Path) -> None:
+    router = _router(model_dir)
+    ids, source = asyncio.run(router.prompt_token_ids("/v1/completions", {"prompt": [[5, 6, 7], "x"]}))
+    assert (ids, source) == ([5, 6, 7], "token_ids")

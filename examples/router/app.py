@@ -352,6 +352,15 @@ async def relay_stream(up: aiohttp.ClientResponse, resp: web.StreamResponse) -> 
     return True
 
 
+def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
+    """A completion whose (first) prompt is token ids: used as is, nothing to tokenize."""
+    prompt = body.get("prompt")
+    if path.endswith("/chat/completions") or not isinstance(prompt, list) or not prompt:
+        return False
+    first = prompt[0] if isinstance(prompt[0], list) else prompt
+    return bool(first) and all(type(t) is int for t in first)
+
+
 def engine_session(timeout: aiohttp.ClientTimeout, keepalive: float = ENGINE_KEEPALIVE, **kwargs: Any) -> aiohttp.ClientSession:
     """An HTTP client session for talking to vLLM engines (``kwargs`` go to :class:`aiohttp.ClientSession`).
 
@@ -709,7 +718,7 @@ class Router:
         ``(ids, "local")`` when the router's tokenizer reproduced the request
         exactly (tried first when configured).
         """
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not _ids_given(path, body):
             local = await asyncio.to_thread(self.tokenizer.tokenize, path, dict(body))
             if local.exact and local.token_ids:
                 self.m_local_tokenize.labels("exact").inc()
