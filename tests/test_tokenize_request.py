@@ -61,12 +61,16 @@ def test_conversation_normalisation() -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"}, "b", {"type": "text", "text": None}]},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"k\": 1}"}},
-            {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]},
+            {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}},
+            {"id": "3", "type": "function", "function": {"name": "h", "arguments": ""}}]},
         {"role": "assistant", "content": "c", "tool_calls": []},
         {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r2"}]},
     ], "string")
     assert conv[0]["content"] == "keep" and conv[1]["content"] == "a\nb"
-    assert [c["function"]["arguments"] for c in conv[2]["tool_calls"]] == [{"k": 1}, {}]
+    assert [c["function"]["arguments"] for c in conv[2]["tool_calls"]] == [{"k": 1}, {}, {}]
+    with pytest.raises(m.Inexact):  # the engine's request schema wants arguments as a JSON string
+        m.conversation([{"role": "assistant", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"k": 1}}}]}], "string")
     assert conv[2]["content"] == "" and "tool_calls" not in conv[3]
     assert conv[4] == {"role": "tool", "content": "r1\nr2", "tool_call_id": "1"}
     assert m.conversation([{"role": "user", "content": "hi"}], "openai")[0]["content"] == [{"type": "text", "text": "hi"}]

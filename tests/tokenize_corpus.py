@@ -50,7 +50,7 @@ def _content(rng: random.Random) -> Any:
 def _tool_call(rng: random.Random, i: int) -> dict[str, Any]:
     name, args = rng.choice([("get_weather", {"city": rng.choice(["Paris", "Oslo", "Lima"])}),
                              ("add", {"a": rng.randint(0, 99), "b": rng.randint(0, 99)}), ("noop", {})])
-    arguments: Any = json.dumps(args) if rng.random() < 0.8 else args
+    arguments = json.dumps(args) if rng.random() < 0.9 else rng.choice(["", "not json", "[1]"])
     return {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 

@@ -170,21 +170,18 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
         return None
     out = []
     for call in calls:
+        # the request schema (OpenAI's tool-call param, validated by pydantic) wants all four as given here
         fn = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(fn, Mapping) or call.get("type", "function") != "function":
-            raise Inexact("invalid request: a tool call that is not a function call")
+        if (not isinstance(fn, Mapping) or call.get("type") != "function" or not isinstance(call.get("id"), str)
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str)):
+            raise Inexact("invalid request: a tool call needs id, type function, function.name and "
+                          "function.arguments (a JSON string)")
         fn = dict(fn)
-        args = fn.get("arguments")
-        if not args:
-            fn["arguments"] = {}
-        elif isinstance(args, str):
-            try:
-                parsed = json.loads(args)
-            except ValueError:
-                parsed = None
-            fn["arguments"] = parsed if isinstance(parsed, dict) else {}
-        elif not isinstance(args, dict):
-            fn["arguments"] = {}
+        try:
+            parsed = json.loads(fn["arguments"]) if fn["arguments"] else {}
+        except ValueError:
+            parsed = None
+        fn["arguments"] = parsed if isinstance(parsed, dict) else {}
         out.append({**call, "function": fn})
     return out
 
