@@ -120,6 +120,7 @@ def test_the_template_sees_what_vllm_gives_it(echo: RequestTokenizer) -> None:
     ("/v1/completions", {"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("/v1/completions", {"prompt": [10**9]}, "vocabulary"),
     ("/v1/completions", {"prompt": []}, "no prompt"),
+    ("/v1/completions", {"prompt": ["a", [5]]}, "mixes"),
     ("/v1/embeddings", {"input": "x"}, "unsupported path"),
 ])
 def test_what_cannot_be_reproduced_says_so(tok: RequestTokenizer, path: str, body: dict[str, Any], reason: str) -> None:
@@ -132,8 +133,9 @@ def test_completion_shapes(tok: RequestTokenizer) -> None:
     one = tok.completion({"prompt": "router pod"})
     assert one.exact and one.prompts == [tok.encode("router pod", add_special_tokens=True)]
     assert one.token_ids[: len(bos)] == bos
-    batch = tok.completion({"prompt": ["a", [5, 6]], "add_special_tokens": False})
-    assert batch.prompts == [tok.encode("a", add_special_tokens=False), [5, 6]]
+    batch = tok.completion({"prompt": ["a", "b c"], "add_special_tokens": False})
+    assert batch.prompts == [tok.encode("a", add_special_tokens=False), tok.encode("b c", add_special_tokens=False)]
+    assert tok.completion({"prompt": [[5, 6], [7]]}).prompts == [[5, 6], [7]]
     assert tok.tokenize("/tokenize", {"prompt": "a", "add_special_tokens": False}).prompts == \
         [tok.encode("a", add_special_tokens=False)]
     assert not tok.tokenize("/tokenize", {"prompt": [5, 6]}).exact  # /tokenize takes one text prompt

@@ -58,8 +58,8 @@ def conversation(rng: random.Random, *, tools: bool) -> list[dict[str, Any]]:
     """System (sometimes), then user/assistant turns, with tool calls and results when ``tools``."""
     msgs: list[dict[str, Any]] = []
     if rng.random() < 0.6:
-        msgs.append({"role": "system", "content": text(rng, 3, 20)})
-    for turn in range(rng.randint(1, 4)):
+        msgs.append({"role": "system", "content": text(rng, 3, 12)})
+    for turn in range(rng.randint(1, 2 if tools else 3)):
         msgs.append({"role": "user", "content": _content(rng)})
         if tools and rng.random() < 0.6:
             calls = [_tool_call(rng, turn * 10 + j) for j in range(rng.randint(1, 2))]
@@ -77,7 +77,7 @@ def chat_case(rng: random.Random) -> dict[str, Any]:
     use_tools = rng.random() < 0.35
     body: dict[str, Any] = {"messages": conversation(rng, tools=use_tools)}
     if use_tools:
-        body["tools"] = rng.sample(TOOLS, rng.randint(1, len(TOOLS)))
+        body["tools"] = rng.sample(TOOLS, rng.randint(1, 2))
     r = rng.random()
     if r < 0.12 and body["messages"][-1]["role"] == "user":
         body["messages"].append({"role": "assistant", "content": text(rng)})
@@ -100,8 +100,10 @@ def chat_case(rng: random.Random) -> dict[str, Any]:
 
 def completion_case(rng: random.Random) -> dict[str, Any]:
     """One /v1/completions body: a text, ids, or a batch of either."""
+    ids = rng.random() < 0.3  # a batch is all texts or all token ids (the engine's request schema)
+
     def one() -> Any:
-        if rng.random() < 0.3:
+        if ids:
             return [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
         return text(rng, 1, 30)
     r = rng.random()

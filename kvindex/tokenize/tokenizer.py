@@ -296,6 +296,8 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return [_ids(prompt)]
     if isinstance(prompt, list) and prompt:
+        if not (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt)):
+            raise Inexact("invalid request: a batch mixes text and token-id prompts")
         out: list[str | list[int]] = []
         for p in prompt:
             if isinstance(p, str):
