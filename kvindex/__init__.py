@@ -26,6 +26,7 @@ __version__ = "0.2.0"
 
 if TYPE_CHECKING:
     from kvindex.facade import (
+        AsyncIndexer,
         Config,
         EngineEndpoint,
         HealingPolicy,
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 # the facade's names, handed out on first use (PEP 562)
 _FACADE = frozenset(
-    {"Config", "EngineEndpoint", "HealingPolicy", "Indexer", "IndexerStats", "KVIndexMetrics", "LoadSnapshot",
+    {"AsyncIndexer", "Config", "EngineEndpoint", "HealingPolicy", "Indexer", "IndexerStats", "KVIndexMetrics", "LoadSnapshot",
      "Score", "load_config"}
 )
 

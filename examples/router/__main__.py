@@ -77,6 +77,12 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--policy", choices=("kvindex", "round_robin"), help="default kvindex")
     p.add_argument("--load-interval", type=float, help="seconds between /metrics refreshes (default 1)")
+    p.add_argument(
+        "--tokenizer-dir", metavar="MODEL_DIR",
+        help="tokenize requests in the router from the engines' model folder (needs kvindex[tokenize]); "
+        "requests it cannot reproduce exactly go to an engine's /tokenize",
+    )
+    p.add_argument("--chat-template", help="with --tokenizer-dir: the engines' --chat-template (file or text)")
     p.add_argument("--config", help="router configuration file (YAML or .json)")
     p.add_argument(
         "--redis-url", metavar="redis://HOST:PORT/DB",
@@ -99,6 +105,12 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
         data = msgspec.to_builtins(base)
         data.update({k: v for k, v in overrides.items() if v is not None})
         data["engines"] = [msgspec.to_builtins(e) for e in engines]
+        if args.tokenizer_dir:
+            data["tokenizer"] = {**(data.get("tokenizer") or {}), "model_dir": args.tokenizer_dir}
+        if args.chat_template:
+            if not data.get("tokenizer"):
+                raise ValueError("--chat-template needs --tokenizer-dir (or tokenizer in the config)")
+            data["tokenizer"]["chat_template"] = args.chat_template
         data["prefill"] = list(base.prefill) + [e.pod for e in prefill]
         data["decode"] = list(base.decode) + [e.pod for e in decode]
         for key, value in (

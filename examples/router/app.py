@@ -2,8 +2,12 @@
 
 Read path per request (``POST /v1/completions`` and ``POST /v1/chat/completions``):
 
-1. Token ids. The prompt is rendered exactly as the engine will render it by
-   asking an engine's ``POST /tokenize`` (vLLM 0.32,
+1. Token ids. With ``tokenizer`` configured (the engines' model folder and
+   chat-template flags), the router renders and tokenizes the request itself
+   with :class:`kvindex.tokenize.RequestTokenizer` (exactly as the engine will,
+   off the event loop); when the library says it cannot reproduce a request
+   exactly (e.g. multimodal content), or without ``tokenizer``, the prompt is
+   rendered by asking an engine's ``POST /tokenize`` (vLLM 0.32,
    vllm/entrypoints/serve/tokenize/protocol.py): a completion's text prompt is
    sent as ``{"model", "prompt", "add_special_tokens"}`` (the engine prepends
    BOS as it does for ``/v1/completions``), a chat request as ``{"model",
@@ -65,7 +69,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -78,6 +82,9 @@ from prometheus_client.registry import Collector
 from kvindex.facade import Config, Indexer
 from kvindex.facade.healing import HealingPolicy, with_full_report
 from kvevents.subscriber import EngineEndpoint
+
+if TYPE_CHECKING:
+    from kvindex.tokenize import RequestTokenizer
 from scorer.load import fetch_load
 from scorer.prefix import predicted_cached_tokens, reads_prefix_cache
 
@@ -164,6 +171,38 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             raise ValueError(f"engine url must be http(s)://host:port, got {self.url!r}")
 
 
+class TokenizerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Local request tokenization (:class:`kvindex.tokenize.RequestTokenizer`, extra ``kvindex[tokenize]``).
+
+    model_dir: the engines' ``--model`` (or ``--tokenizer``) folder: tokenizer files and chat template.
+    chat_template, content_format, default_chat_template_kwargs,
+    trust_request_chat_template, exclude_tools_when_tool_choice_none: the
+    engines' flags of those names (``content_format`` is
+    ``--chat-template-content-format``); they must match the engines'.
+    cache_entries: conversations kept for incremental multi-turn tokenization (0: none).
+    """
+
+    model_dir: str
+    chat_template: str | None = None
+    content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    cache_entries: int = 128
+
+    def build(self) -> RequestTokenizer:
+        """The tokenizer (raises ValueError when the folder holds no usable tokenizer)."""
+        from kvindex.tokenize import RequestTokenizer
+
+        return RequestTokenizer(
+            self.model_dir, chat_template=self.chat_template, content_format=self.content_format,
+            default_chat_template_kwargs=self.default_chat_template_kwargs,
+            trust_request_chat_template=self.trust_request_chat_template,
+            exclude_tools_when_tool_choice_none=self.exclude_tools_when_tool_choice_none,
+            cache_entries=self.cache_entries,
+        )
+
+
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the router needs (YAML/JSON file or command line).
 
@@ -200,6 +239,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         :class:`kvindex.facade.healing.HealingPolicy` judges it healed.
     heal_quiet_requests, heal_max_requests: the policy's ``quiet_requests``
         and ``max_requests``.
+    tokenizer: tokenize requests in the router (:class:`TokenizerSpec`);
+        None: ask an engine's ``/tokenize`` for every request.
     """
 
     engines: list[EngineSpec] = msgspec.field(default_factory=list)
@@ -222,6 +263,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     healing: bool = True
     heal_quiet_requests: int = 8
     heal_max_requests: int = 256
+    tokenizer: TokenizerSpec | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -310,6 +352,15 @@ async def relay_stream(up: aiohttp.ClientResponse, resp: web.StreamResponse) -> 
     return True
 
 
+def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
+    """A completion whose (first) prompt is token ids: used as is, nothing to tokenize."""
+    prompt = body.get("prompt")
+    if path.endswith("/chat/completions") or not isinstance(prompt, list) or not prompt:
+        return False
+    first = prompt[0] if isinstance(prompt[0], list) else prompt
+    return bool(first) and all(type(t) is int for t in first)
+
+
 def engine_session(timeout: aiohttp.ClientTimeout, keepalive: float = ENGINE_KEEPALIVE, **kwargs: Any) -> aiohttp.ClientSession:
     """An HTTP client session for talking to vLLM engines (``kwargs`` go to :class:`aiohttp.ClientSession`).
 
@@ -348,8 +399,9 @@ class Decision(msgspec.Struct, kw_only=True):
     path: the API path (``/v1/completions`` or ``/v1/chat/completions``).
     policy: ``kvindex`` or ``round_robin``.
     pod: the chosen pod.
-    token_source: ``tokenize`` (engine's /tokenize), ``token_ids`` (prompt
-        given as ids) or ``none`` (no tokens: routed on load alone).
+    token_source: ``local`` (the router's tokenizer), ``tokenize`` (engine's
+        /tokenize), ``token_ids`` (prompt given as ids) or ``none`` (no tokens:
+        routed on load alone).
     prompt_tokens: tokens scored; request_blocks: their full blocks.
     matched_tokens: prefix the index holds on the chosen pod (tokens).
     predicted_cached_tokens: see :func:`predicted_cached_tokens`.
@@ -437,6 +489,7 @@ class Router:
         self._rr = itertools.cycle(list(self.engines))
         self._ties = itertools.count()
         self._tokenize_rr = itertools.cycle(list(self.engines))
+        self.tokenizer: RequestTokenizer | None = config.tokenizer.build() if config.tokenizer else None
         self._session: aiohttp.ClientSession | None = None
         self._refresh_task: asyncio.Task[None] | None = None
         self._warned_pods: set[str] = set()
@@ -465,6 +518,12 @@ class Router:
         )
         self.m_tokenize_errors = Counter(
             "kvindex_router_tokenize_errors", "Prompts no engine could tokenize (routed on load).", registry=r
+        )
+        self.m_local_tokenize = Counter(
+            "kvindex_router_local_tokenize",
+            "Requests the router tokenized itself (exact) or handed to an engine's /tokenize (fallback).",
+            ["result"],
+            registry=r,
         )
         self.m_in_flight = Gauge("kvindex_router_in_flight", "Requests in flight, by pod.", ["pod"], registry=r)
         self.m_waiting = Gauge("kvindex_router_engine_waiting", "Engine-reported waiting requests.", ["pod"], registry=r)
@@ -655,8 +714,17 @@ class Router:
         Returns ``(ids, "token_ids")`` for a completion prompt given as ids (the
         first prompt of a batch), ``(ids, "tokenize")`` when an engine's
         ``/tokenize`` rendered it (chat template applied for chat requests),
-        ``(None, "none")`` when there is nothing to tokenize or no engine could.
+        ``(None, "none")`` when there is nothing to tokenize or no engine could;
+        ``(ids, "local")`` when the router's tokenizer reproduced the request
+        exactly (tried first when configured).
         """
+        if self.tokenizer is not None and not _ids_given(path, body):
+            local = await asyncio.to_thread(self.tokenizer.tokenize, path, dict(body))
+            if local.exact and local.token_ids:
+                self.m_local_tokenize.labels("exact").inc()
+                return local.token_ids, "local"
+            self.m_local_tokenize.labels("fallback").inc()
+            log.debug("router: local tokenization not exact (%s): asking /tokenize", local.reason)
         if path.endswith("/chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -858,6 +926,8 @@ class Router:
                 out_headers.update(extra)
                 if up.headers.get("Content-Length") is not None:
                     body = await up.read()
+                    if up.status == 200:
+                        self.report_truth(decision, body)
                     return web.Response(status=up.status, body=body, headers=out_headers)
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 await resp.prepare(request)
@@ -870,6 +940,22 @@ class Router:
             return web.Response(
                 status=502, body=msgspec.json.encode(err), content_type="application/json", headers=extra
             )
+
+    def report_truth(self, decision: Decision, answer: bytes) -> None:
+        """Hand the engine's cached tokens for a routed request to the indexer (``Indexer.report_cached``).
+
+        Read from a JSON answer's ``usage.prompt_tokens_details.cached_tokens``
+        (vLLM with ``--enable-prompt-tokens-details``); answers without it are skipped.
+        """
+        if self.indexer is None:
+            return
+        try:
+            usage = msgspec.json.decode(answer).get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        except (msgspec.DecodeError, AttributeError):
+            return
+        if type(cached) is int and cached >= 0:
+            self.indexer.report_cached(decision.pod, decision.predicted_cached_tokens, cached)
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """``GET /v1/models`` from the first healthy engine."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import random
 import sys
 import time
@@ -40,7 +41,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from examples.router.app import EngineSpec, Router, RouterConfig, engine_session
+from examples.router.app import EngineSpec, Router, RouterConfig, TokenizerSpec, engine_session
 from examples.router.serve import RunningRouter
 from examples.vllm_fleet.fleet import Engine, VllmFleet, ensure_env
 from scorer.load import LoadSnapshot, fetch_load
@@ -363,7 +364,12 @@ async def reset_caches(engines: Sequence[Engine]) -> None:
 
 
 def router_config(fleet: VllmFleet, policy: str = "kvindex") -> RouterConfig:
-    """A router configuration for ``fleet`` (port 0: any free port)."""
+    """A router configuration for ``fleet`` (port 0: any free port).
+
+    The router tokenizes requests itself from the fleet's model folder when
+    the ``kvindex[tokenize]`` extra is installed (else it asks /tokenize).
+    """
+    local = importlib.util.find_spec("transformers") is not None
     return RouterConfig(
         engines=[
             EngineSpec(pod=e.pod, url=e.base_url, endpoint=e.event_endpoint, replay_endpoint=e.replay_endpoint)
@@ -373,6 +379,7 @@ def router_config(fleet: VllmFleet, policy: str = "kvindex") -> RouterConfig:
         block_size=fleet.block_size,
         port=0,
         policy=policy,  # type: ignore[arg-type]
+        tokenizer=TokenizerSpec(model_dir=str(fleet.model_dir)) if local else None,
     )
 
 

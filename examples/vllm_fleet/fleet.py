@@ -362,6 +362,9 @@ class VllmFleet:
             which costs 1-2 minutes per engine on 2 cores; the prefix cache and
             KV events do not depend on it).
         extra_args: more command-line arguments for every engine.
+        engine_args: more command-line arguments per engine (entry ``i`` for
+            engine ``i``, after ``extra_args``), e.g. a different
+            ``--chat-template`` per engine.
         buffer_steps: the KV-event publisher's replay buffer in batches
             (``buffer_steps`` of ``--kv-events-config``; None = vLLM's default,
             10,000).  A small one lets tests start a consumer after the engine's
@@ -386,6 +389,7 @@ class VllmFleet:
         enforce_eager: bool = True,
         extra_args: Sequence[str] = (),
         buffer_steps: int | None = None,
+        engine_args: Sequence[Sequence[str]] = (),
     ) -> None:
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
@@ -407,6 +411,9 @@ class VllmFleet:
         self.startup_timeout = startup_timeout
         self.enforce_eager = enforce_eager
         self.extra_args = list(extra_args)
+        if len(engine_args) > n:
+            raise ValueError(f"engine_args has {len(engine_args)} entries for {n} engines")
+        self.engine_args = [list(a) for a in engine_args] + [[] for _ in range(n - len(engine_args))]
         self.buffer_steps = buffer_steps
         self.log_dir = (
             Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvindex-vllm-"))
@@ -470,7 +477,7 @@ class VllmFleet:
         ]
         if self.enforce_eager:
             argv.append("--enforce-eager")
-        return argv + self.extra_args
+        return argv + self.extra_args + self.engine_args[engine.index]
 
     def environment(self, engine: Engine) -> dict[str, str]:
         """Return the environment ``engine`` runs with (see the module doc)."""

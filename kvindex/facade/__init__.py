@@ -6,6 +6,7 @@ pods)`` on the read path.  It sits above kvevents and scorer, which never
 import each other.
 """
 
+from kvindex.facade.aio import AsyncIndexer
 from kvindex.facade.config import Config, load_config
 from kvindex.facade.flush import FlushReport
 from kvindex.facade.healing import HealingPolicy, HealingState, HealingStats, with_full_report
@@ -15,6 +16,6 @@ from kvevents.subscriber import EngineEndpoint
 from scorer.load import LoadSnapshot
 
 __all__ = [
-    "Config", "EngineEndpoint", "FlushReport", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
+    "AsyncIndexer", "Config", "EngineEndpoint", "FlushReport", "HealingPolicy", "HealingState", "HealingStats", "Indexer", "IndexerStats",
     "KVIndexMetrics", "LoadSnapshot", "Score", "load_config", "with_full_report",
 ]

@@ -38,6 +38,7 @@ from kvindex.contract import IndexStats, KVIndex, TokenMatch
 from kvindex.factory import make_index
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TIERS, TierWeights
+from kvindex.truth import PodTruth, PredictionTruth
 from scorer.load import LoadSnapshot
 from scorer.picker import Choice, PickerWeights, TTFTPicker, WeightedPicker
 from scorer.prefix import PrefixScore, predicted_cached_tokens, prefix_scores_from_matches
@@ -205,6 +206,8 @@ class Indexer:
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
         self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
+        self.truth = PredictionTruth()  # predicted vs engine-confirmed cached tokens (report_cached)
+        self._truth_lock = threading.Lock()
         self.metrics = KVIndexMetrics(self, namespace=metrics_namespace)
         if metrics_registry is not None:
             self.metrics.register(metrics_registry)
@@ -604,6 +607,25 @@ class Indexer:
         indexer's: construct each with its own ``metrics_namespace``).
         """
         return self.metrics.register(registry)
+
+    def report_cached(self, pod: str, predicted: int, confirmed: int) -> None:
+        """Report a routed request's truth: ``predicted`` cached tokens vs what the engine confirmed.
+
+        ``confirmed``: the answer's ``usage.prompt_tokens_details.cached_tokens``
+        (vLLM with ``--enable-prompt-tokens-details``) or the request's increase
+        of the engine's ``vllm:prefix_cache_hits_total``. Feeds the
+        ``kvindex_prediction_*`` metrics and :meth:`prediction_truth`; a pod
+        whose prediction is wrong for a sustained window is marked unhealthy
+        (:class:`kvindex.truth.PredictionTruth`, replaceable as :attr:`truth`).
+        ValueError on negative counts.
+        """
+        with self._truth_lock:
+            self.truth.report(pod, predicted, confirmed)
+
+    def prediction_truth(self) -> dict[str, PodTruth]:
+        """Per pod: totals of predicted, confirmed, over- and under-predicted tokens, and health."""
+        with self._truth_lock:
+            return self.truth.pods()
 
     def stats(self) -> IndexerStats:
         """Index sizes/counters and write-path counters."""

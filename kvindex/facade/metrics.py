@@ -54,6 +54,8 @@ class MetricsSource(Protocol):
 
     def completeness(self) -> Any: ...
 
+    def prediction_truth(self) -> Any: ...
+
 
 __all__ = ["KVIndexMetrics", "MetricsSource", "METRICS", "SCORE_SECONDS_BUCKETS", "COVERAGE_BUCKETS", "PENDING_MAX"]
 
@@ -148,6 +150,18 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
         "counter", (), "Index calls that could not reach the Redis server or that it failed (Redis backend; "
         "reads answered without prefix information)."),
     "kvindex_index_redis_dropped_writes": ("counter", (), "Of those, writes not applied (the stream is rebuilt)."),
+    # truth back in: predicted vs engine-confirmed cached tokens (Indexer.report_cached, kvindex.truth)
+    "kvindex_prediction_requests": ("counter", ("pod",), "Routed requests whose engine-confirmed cached tokens were reported."),
+    "kvindex_prediction_predicted_tokens": ("counter", ("pod",), "Cached prompt tokens predicted for them."),
+    "kvindex_prediction_confirmed_tokens": ("counter", ("pod",), "Cached prompt tokens the engine confirmed."),
+    "kvindex_prediction_over_tokens": ("counter", ("pod",), "Tokens predicted cached that the engine did not serve from cache."),
+    "kvindex_prediction_under_tokens": ("counter", ("pod",), "Tokens the engine served from cache beyond the prediction."),
+    "kvindex_prediction_window_precision": (
+        "gauge", ("pod",), "Correct / predicted tokens over the pod's last requests (the health window)."),
+    "kvindex_prediction_window_recall": (
+        "gauge", ("pod",), "Correct / confirmed tokens over the pod's last requests (the health window)."),
+    "kvindex_prediction_healthy": (
+        "gauge", ("pod",), "0 while the pod's window precision or recall is below its threshold (a sustained mismatch)."),
     # read path
     "kvindex_score_duration_seconds": ("histogram", (), "Time of Indexer.score() (keys, match, picker)."),
     "kvindex_score_chosen_coverage": (
@@ -248,6 +262,7 @@ class KVIndexMetrics(Collector):
         yield from self._stream_health()
         yield from self._write_totals(st)
         yield from self._index_families(st.index)
+        yield from self._truth_families()
         self._fold()
         yield from self.score_seconds.collect()
         yield from self.chosen_coverage.collect()
@@ -358,3 +373,19 @@ class KVIndexMetrics(Collector):
                 te.add_metric([tier], e)
             yield tk
             yield te
+
+    def _truth_families(self) -> Iterator[Metric]:
+        """Per pod: predicted vs engine-confirmed cached tokens and the prediction's health."""
+        fams = {n: self._fam(n) for n in METRICS if n.startswith("kvindex_prediction_")}
+        for pod, t in self._ix.prediction_truth().items():
+            for name, value in (
+                ("kvindex_prediction_requests", t.requests), ("kvindex_prediction_predicted_tokens", t.predicted),
+                ("kvindex_prediction_confirmed_tokens", t.confirmed), ("kvindex_prediction_over_tokens", t.over),
+                ("kvindex_prediction_under_tokens", t.under), ("kvindex_prediction_healthy", float(t.healthy)),
+            ):
+                fams[name].add_metric([pod], value)
+            if t.window_precision is not None:
+                fams["kvindex_prediction_window_precision"].add_metric([pod], t.window_precision)
+            if t.window_recall is not None:
+                fams["kvindex_prediction_window_recall"].add_metric([pod], t.window_recall)
+        yield from fams.values()

@@ -86,7 +86,7 @@ def _engine_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
     rep = getattr(request.node, "_rep_call", None)
     if rep is None or not rep.failed:
         return
-    for name in ("vllm_fleet", "pd_fleet", "small_fleet"):  # the engine fixtures of tests/real
+    for name in ("vllm_fleet", "pd_fleet", "small_fleet", "template_fleet"):  # the engine fixtures of tests/real
         if name in request.fixturenames:
             fleet: VllmFleet = request.getfixturevalue(name)
             print(f"engine logs:\n{fleet.log_tails(80)}", file=sys.stderr)

@@ -1,0 +1,196 @@
+"""Multi-turn tokenization: reuse the ids of a cached text's prefix, encode only the rest.
+
+A conversation's next turn renders to a text that starts with the previous
+turn's text, but a tokenizer is not prefix-stable at every character: BPE can
+merge across the cut. It is stable at the start of an added special token
+(e.g. ``<|im_start|>``): Hugging Face ``tokenizers`` splits the text on added
+tokens before normalizing, pre-tokenizing and running the model, and every
+piece between them is encoded on its own. So for a cut at the start of such a
+token, ``encode(a + b) == encode(a) + encode(b)`` (without the post-processor's
+BOS/EOS). Tokens that eat neighbouring spaces (``lstrip``), match only whole
+words or after normalization are not used as cuts; nor is any token whose text
+sits inside a longer added token, nor any token when special tokens are
+encoded as plain text (``encode_special_tokens``).
+
+The cache keeps the last texts it encoded (bounded by entries and tokens),
+each with its ids and the cut points it contains, found by the first
+:data:`ANCHOR_CHARS` characters of the text. A new text reuses the ids up to
+the last cut point inside its common prefix with a cached text, and encodes
+the rest. tests/test_tokenize_prefix.py holds the result to a full encoding.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+ANCHOR_CHARS = 256
+"""A text is looked up by its first characters; shorter texts are encoded whole."""
+
+
+@dataclass
+class _Entry:
+    text: str
+    ids: array[int]  # the token ids, array("I")
+    cut_chars: list[int]  # char offsets of the cut points, ascending
+    cut_tokens: list[int]  # index in ids of the token starting at each cut
+
+
+@dataclass
+class CacheStats:
+    """Counters of the cache (since creation)."""
+
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    encoded_tokens: int = 0
+    entries: int = 0
+    tokens_held: int = 0
+    disabled_reason: str = field(default="")
+
+
+def cut_token_ids(backend: Any) -> dict[int, str]:
+    """Added tokens at whose start a text can be cut without changing its encoding: id -> text."""
+    if getattr(backend, "encode_special_tokens", False):
+        return {}
+    added = backend.get_added_tokens_decoder()
+    texts = {i: t.content for i, t in added.items()}
+    out: dict[int, str] = {}
+    for i, tok in added.items():
+        if tok.lstrip or tok.single_word or tok.normalized or not tok.content:
+            continue
+        if any(tok.content in other and other != tok.content for other in texts.values()):
+            continue
+        out[i] = tok.content
+    return out
+
+
+class PrefixCache:
+    """Bounded, thread-safe cache of encoded texts for incremental encoding.
+
+    ``backend`` is a ``tokenizers.Tokenizer``; encodings are without special
+    tokens added by the post-processor (the chat path of vLLM 0.32 encodes the
+    rendered template with ``add_special_tokens=False``).
+    """
+
+    def __init__(self, backend: Any, *, max_entries: int = 128, max_tokens: int = 4_000_000) -> None:
+        if max_entries < 1 or max_tokens < 1:
+            raise ValueError("max_entries and max_tokens must be >= 1")
+        self._backend = backend
+        self._cuts = cut_token_ids(backend)
+        self._max_entries = max_entries
+        self._max_tokens = max_tokens
+        self._by_anchor: OrderedDict[str, list[_Entry]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CacheStats(disabled_reason="" if self._cuts else "the tokenizer has no safe cut tokens")
+
+    @property
+    def enabled(self) -> bool:
+        """False when the tokenizer offers no safe cut point (every text is encoded whole)."""
+        return bool(self._cuts)
+
+    def encode(self, text: str) -> tuple[list[int], int]:
+        """Return (ids of ``text`` without post-processing, how many came from the cache)."""
+        if not self._cuts or len(text) < ANCHOR_CHARS:
+            return self._backend.encode(text, add_special_tokens=False).ids, 0
+        anchor = text[:ANCHOR_CHARS]
+        with self._lock:
+            self.stats.lookups += 1
+            best = self._best_cut(text, self._by_anchor.get(anchor, []))
+        if best is None:
+            ids, chars, toks = self._encode_from(text, 0)
+            reused = 0
+            prefix_ids: array[int] = array("I")
+        else:
+            entry, k = best
+            start, tok_at = entry.cut_chars[k], entry.cut_tokens[k]
+            tail, chars, toks = self._encode_from(text, start)
+            if not tail or tail[0] != entry.ids[tok_at]:  # not the expected token at the cut
+                ids, chars, toks = self._encode_from(text, 0)
+                reused, prefix_ids = 0, array("I")
+                best = None
+            else:
+                prefix_ids = entry.ids[:tok_at]
+                chars = entry.cut_chars[:k] + chars
+                toks = entry.cut_tokens[:k] + [t + tok_at for t in toks]
+                ids = tail
+                reused = tok_at
+                with self._lock:
+                    self.stats.hits += 1
+                    self.stats.reused_tokens += reused
+        full = prefix_ids + array("I", ids)
+        self._store(anchor, _Entry(text, full, chars, toks), best[0] if best else None)
+        return full.tolist(), reused
+
+    def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
+        """Encode ``text[start:]``; its ids, and its cut points shifted by ``start``."""
+        enc = self._backend.encode(text[start:], add_special_tokens=False)
+        ids = enc.ids
+        chars, toks = [], []
+        cuts = self._cuts
+        for i, (tid, (a, _)) in enumerate(zip(ids, enc.offsets)):
+            if tid in cuts and text.startswith(cuts[tid], start + a):
+                chars.append(start + a)
+                toks.append(i)
+        with self._lock:
+            self.stats.encoded_tokens += len(ids)
+        return ids, chars, toks
+
+    def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry, int] | None:
+        """The cached entry and cut index reaching furthest into ``text``."""
+        best: tuple[_Entry, int] | None = None
+        for e in entries:
+            k = self._last_cut_in_common(text, e)
+            if k is not None and (best is None or e.cut_chars[k] > best[0].cut_chars[best[1]]):
+                best = (e, k)
+        return best
+
+    def _last_cut_in_common(self, text: str, e: _Entry) -> int | None:
+        """Index of the last cut point of ``e`` whose token lies inside the common prefix with ``text``."""
+        def shares(k: int) -> bool:
+            end = e.cut_chars[k] + len(self._cuts[e.ids[e.cut_tokens[k]]])
+            return end <= len(text) and (text.startswith(e.text) if end == len(e.text) else
+                                          text.startswith(e.text[:end]))
+        n = len(e.cut_chars)
+        if n == 0:
+            return None
+        if text.startswith(e.text):
+            return n - 1
+        lo, hi = 0, n  # shares() holds below lo... find the first k where it fails
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if shares(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo - 1 if lo > 0 else None
+
+    def _store(self, anchor: str, entry: _Entry, replaced: _Entry | None) -> None:
+        with self._lock:
+            bucket = self._by_anchor.pop(anchor, [])
+            if replaced is not None and entry.text.startswith(replaced.text):
+                bucket = [e for e in bucket if e is not replaced]
+            bucket = [e for e in bucket if e.text != entry.text]
+            bucket.append(entry)
+            del bucket[:-4]  # a few branches of one conversation (or conversations sharing a start)
+            self._by_anchor[anchor] = bucket
+            self._evict()
+
+    def _evict(self) -> None:
+        held = sum(len(e.ids) for b in self._by_anchor.values() for e in b)
+        count = sum(len(b) for b in self._by_anchor.values())
+        while self._by_anchor and (count > self._max_entries or held > self._max_tokens):
+            _, bucket = self._by_anchor.popitem(last=False)
+            held -= sum(len(e.ids) for e in bucket)
+            count -= len(bucket)
+        self.stats.entries, self.stats.tokens_held = count, held
+
+    def clear(self) -> None:
+        """Forget every cached text."""
+        with self._lock:
+            self._by_anchor.clear()
+            self.stats.entries = self.stats.tokens_held = 0
+

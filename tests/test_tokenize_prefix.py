@@ -1,0 +1,113 @@
+"""The multi-turn cache (kvindex.tokenize.prefix_cache) always equals a full encoding.
+
+Hypothesis drives conversations that grow turn by turn, branch, and edit their
+history, in texts full of special-token text, odd spacing and non-ASCII; every
+cached encoding is compared with encoding the whole text at once (the oracle).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("transformers", reason="needs the extra kvindex[tokenize]")
+
+from kvindex.tokenize import PrefixCache, RequestTokenizer  # noqa: E402
+from kvindex.tokenize.prefix_cache import ANCHOR_CHARS, cut_token_ids  # noqa: E402
+from tests.tokenize_corpus import ODD, WORDS  # noqa: E402
+from tests.tokenize_model import make_tokenizer_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir)).backend_tokenizer
+
+
+pieces = st.sampled_from(WORDS + ODD + ["<|im_start|>", "<|im_end|>", "<|im_end|>!", "<|lstrip|>", " <|lstrip|>"])
+texts = st.lists(pieces, min_size=0, max_size=30).map(lambda p: " ".join(p))
+turn = st.tuples(st.sampled_from(["user", "assistant", "system", "tool"]), texts)
+
+
+def render(turns: list[tuple[str, str]], gen: bool) -> str:
+    """A ChatML-like rendering, long enough to be looked up by its anchor."""
+    head = "<|im_start|>system\n" + "shared system prompt " * 14 + "<|im_end|>\n"
+    body = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns)
+    return head + body + ("<|im_start|>assistant\n" if gen else "")
+
+
+def test_cut_points_leave_out_unsafe_tokens(backend) -> None:  # type: ignore[no-untyped-def]
+    cuts = set(cut_token_ids(backend).values())
+    assert "<|im_start|>" in cuts and "<s>" in cuts
+    assert "<|lstrip|>" not in cuts  # eats the spaces before it
+    assert "<|im_end|>" not in cuts  # its text sits inside "<|im_end|>!"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(conv=st.lists(turn, min_size=1, max_size=8), edits=st.lists(st.tuples(st.integers(0, 7), texts), max_size=3),
+       gen=st.booleans())
+def test_cached_encoding_equals_full_encoding(backend, conv, edits, gen) -> None:  # type: ignore[no-untyped-def]
+    cache = PrefixCache(backend, max_entries=4, max_tokens=100_000)
+    history: list[tuple[str, str]] = []
+    for t in conv:  # the conversation grows turn by turn
+        history.append(t)
+        text = render(history, gen)
+        ids, reused = cache.encode(text)
+        assert ids == backend.encode(text, add_special_tokens=False).ids
+        assert 0 <= reused <= len(ids)
+    for i, new_text in edits:  # then the client rewrites a turn of its history
+        if history:
+            edited = list(history)
+            k = i % len(edited)
+            edited[k] = (edited[k][0], new_text)
+            text = render(edited, gen)
+            ids, _ = cache.encode(text)
+            assert ids == backend.encode(text, add_special_tokens=False).ids
+
+
+def test_a_next_turn_reuses_the_previous_turns_tokens(backend) -> None:  # type: ignore[no-untyped-def]
+    cache = PrefixCache(backend)
+    turns = [("user", "the router keeps a cache " * 20)]
+    first = render(turns, True)
+    _, reused0 = cache.encode(first)
+    turns += [("assistant", "the pod holds the block"), ("user", "and then?")]
+    second = render(turns, True)
+    ids, reused1 = cache.encode(second)
+    assert reused0 == 0
+    full = backend.encode(second, add_special_tokens=False).ids
+    assert ids == full
+    # everything before the last cut inside the first text (its "<|im_start|>assistant") is reused
+    first_ids = backend.encode(first, add_special_tokens=False).ids
+    last_cut = max(i for i, t in enumerate(first_ids) if t == backend.token_to_id("<|im_start|>"))
+    assert reused1 == last_cut
+    assert cache.stats.hits == 1 and cache.stats.reused_tokens == reused1
+
+
+def test_bounds_hold(backend) -> None:  # type: ignore[no-untyped-def]
+    cache = PrefixCache(backend, max_entries=3, max_tokens=10_000)
+    for i in range(10):
+        cache.encode(f"{i} " + "x" * ANCHOR_CHARS + "<|im_start|>tail")
+    assert cache.stats.entries <= 3 and cache.stats.tokens_held <= 10_000
+    with pytest.raises(ValueError):
+        PrefixCache(backend, max_entries=0)
+
+
+def test_the_request_tokenizer_uses_the_cache_across_turns(model_dir: Path) -> None:
+    tok = RequestTokenizer(model_dir)
+    nocache = RequestTokenizer(model_dir, cache_entries=0)
+    msgs = [{"role": "system", "content": "shared " * 60}, {"role": "user", "content": "first question"}]
+    r1 = tok.chat({"messages": msgs})
+    msgs += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "second"}]
+    r2 = tok.chat({"messages": msgs})
+    assert r1.exact and r2.exact
+    assert r2.prompts == nocache.chat({"messages": msgs}).prompts
+    assert r2.reused_tokens > len(r1.token_ids) // 2
