@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-pytest.importorskip("transformers", reason="needs the extra kvindex[tokenize]")
+import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
 from examples.router.app import EngineSpec, Router, RouterConfig, TokenizerSpec  # noqa: E402
 from kvindex.tokenize import RequestTokenizer  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("dynamo._core")
+import dynamo._core  # noqa: E402,F401  (ai-dynamo-runtime; make test installs it)
 
 from bench.sim.cluster import run  # noqa: E402
 from bench.sim.dynamo_peer import DynamoSelector  # noqa: E402

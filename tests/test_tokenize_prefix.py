@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers", reason="needs the extra kvindex[tokenize]")
+import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
 from kvindex.tokenize import PrefixCache, RequestTokenizer  # noqa: E402
 from kvindex.tokenize.prefix_cache import ANCHOR_CHARS, cut_token_ids  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("transformers", reason="needs the extra kvindex[tokenize]")
+import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
 from kvindex.tokenize import RequestTokenizer, load_chat_template  # noqa: E402
 from kvindex.tokenize import messages as m  # noqa: E402

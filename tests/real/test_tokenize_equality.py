@@ -27,7 +27,7 @@ import pytest
 from examples.vllm_fleet.fleet import Engine, FleetEnv, FleetError, VllmFleet
 from tests.tokenize_corpus import corpus
 
-pytest.importorskip("transformers", reason="needs the extra kvindex[tokenize]")
+import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
 from kvindex.tokenize import RequestTokenizer  # noqa: E402
 
