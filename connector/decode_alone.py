@@ -37,10 +37,10 @@ class DecodeAloneRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             (default 0: D schedules everything it has).
         max_kv_usage: D's ``vllm:kv_cache_usage_perc`` is below this (default
             0.9: D is not close to preempting).
-        max_pending_tokens: the prompt tokens the router has sent D that are
-            not yet prefilled (``LoadSnapshot.prefill_tokens``, when the
-            router tracks it) plus this turn's are at most this many (default
-            1,024: two short turns at once, not a pile-up of them).
+        max_pending_tokens: when D still has prompt tokens to prefill that
+            the router sent it (``LoadSnapshot.prefill_tokens``, when the
+            router tracks it), those plus this turn's are at most this many
+            (default 1,024: two short turns at once, not a pile-up of them).
 
     Raises:
         ValueError: a negative bound, or ``max_kv_usage`` outside (0, 1].
@@ -86,8 +86,8 @@ def decode_alone_verdict(rule: DecodeAloneRule, paths: PathTokens, load: LoadSna
             return False, f"D is busy: {load.waiting:g} waiting > {rule.max_waiting:g}"
         if load.kv_usage >= rule.max_kv_usage:
             return False, f"D is busy: KV usage {load.kv_usage:.2f} >= {rule.max_kv_usage:.2f}"
-        pending = load.prefill_tokens or 0
-        if pending + n > rule.max_pending_tokens:
+        pending = load.prefill_tokens
+        if pending is not None and pending > 0 and pending + n > rule.max_pending_tokens:
             return False, f"D is busy: {pending} pending + {n} prompt tokens > {rule.max_pending_tokens}"
     return True, f"D would prefill {n} <= {rule.max_tokens} tokens and is not busy"
 

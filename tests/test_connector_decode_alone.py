@@ -47,6 +47,9 @@ def test_verdict_weighs_tokens_then_load():
     ok, why = decode_alone_verdict(rule, long_, None)
     assert not ok and "101 > 100" in why
     assert decode_alone_verdict(rule, short, LoadSnapshot(waiting=1, kv_usage=0.79))[0]
+    assert decode_alone_verdict(rule, short, LoadSnapshot(prefill_tokens=50))[0]
+    alone_on_idle = DecodeAloneRule(max_tokens=500, max_pending_tokens=100)  # nothing pending: the bound waits
+    assert decode_alone_verdict(alone_on_idle, PathTokens(400, 400, 400), LoadSnapshot(prefill_tokens=0))[0]
     for busy, word in ((LoadSnapshot(waiting=2), "waiting"), (LoadSnapshot(kv_usage=0.8), "KV usage"),
                        (LoadSnapshot(prefill_tokens=51), "pending")):
         ok, why = decode_alone_verdict(rule, short, busy)

@@ -2,15 +2,16 @@
 bidirectional KV transfer) behind the P/D router, with and without the decode-alone rule
 (connector.decode_alone.DecodeAloneRule).
 
-A conversation of a long first turn, three short turns and one long turn:
+A conversation of a long first turn, three short turns and one long turn (P caches prefixes, as in
+examples/vllm_fleet/pd.py):
 
 (a) with the rule, each short turn is served by D alone: P sees nothing, and D's own counters
     (vllm:request_prefill_kv_computed_tokens and prompt_tokens_by_source_total{source="local_compute"})
     show D computing exactly the tokens its prefix cache lacked (the new ones and the answer's
     unhashed tail), as the planner predicted from the index; the long turn still goes through P,
     which pulls the KV that D retained from its last turn served alone;
-(b) without the rule, every turn after the first goes through P with a pull (the comparison; TTFT per
-    turn is printed for both, never asserted);
+(b) without the rule, every turn after the first goes through P, which pulls D's answer (the
+    comparison; TTFT per turn is printed for both, never asserted);
 (c) a client that edits the history: the turn D serves alone gets no remote params, D prefills what
     its cache lacks, and the first token's logprobs match one engine recomputing the prompt.
 
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 D_TTL = 480
 RULE = DecodeAloneRule(max_tokens=128)
 FIRST = 800  # tokens of turn 1's prompt
-ANSWER = 32  # tokens D generates per turn
+ANSWER = 100  # tokens D generates per turn: D retains 99 of them, which P (prefix caching on) lacks: >= 64, a pull
 NEW = [None, 40, 40, 40, 400]  # new user tokens per turn (None: the first turn)
 
 
@@ -67,7 +68,7 @@ async def edited(session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFle
     assert t1.status == 200, t1.answer
     history = prompt1 + t1.output_ids
     assert await rr.router.wait_indexed(history[:-1], fleet.decode.pod, timeout=180.0)
-    prompt2 = history[:780] + history[790:] + ids(cid + "/2", 20)
+    prompt2 = history[:860] + history[870:] + ids(cid + "/2", 20)  # D lacks 78 tokens from block 26 on
     t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
     return {"t2": t2, "pd": rr.router.turns[-1], "diff": max_diff(t2.top_logprobs, await reference_top(session, fleet, prompt2))}
 
@@ -132,24 +133,28 @@ def test_a_short_turns_go_to_decode_alone_and_a_long_turn_through_prefill(
         assert t.d_external == 0
         # D kept the turn's KV for the next one
         assert r["pd"].retained_tokens == r["prompt"] + ANSWER - 1
-    # the long turn: through P, which pulls what D retained from the last turn it served alone
+    # the long turn: through P, which pulls what D retained from the last turn it served alone beyond
+    # what P holds itself (turn 1's prompt: P caches prefixes)
     plan, t = last["pd"].plan, last["t"]
     assert plan.action == "pull", plan.explain()
     assert "via P: D would prefill" in plan.reasons[-2]
-    assert t.p_external == plan.pulled_tokens == shorts[-1]["pd"].retained_tokens > 0, (t.p_external, plan.explain())
-    assert t.d_kv_computed == last["prompt"] - plan.pulled_tokens == t.p_computed
+    assert plan.local_tokens + plan.pulled_tokens == shorts[-1]["pd"].retained_tokens, plan.explain()
+    assert t.p_external == plan.pulled_tokens > 0 and t.p_local_hit == plan.local_tokens, (t, plan.explain())
+    assert t.d_kv_computed == last["prompt"] - plan.local_tokens - plan.pulled_tokens == t.p_computed
     s = outcome["stats"]
     assert s.decode_alone == len(shorts) + 1 and s.pulls == 1
     assert f"kvindex_router_pd_decode_alone_total {len(shorts) + 1}.0" in outcome["metrics"]
 
 
 def test_b_without_the_rule_every_later_turn_pulls(outcome: dict[str, Any]) -> None:
+    """P holds the previous prompt (prefix caching) and pulls D's answer (99 tokens) on every later turn."""
     rows = outcome["base"]
     assert rows[0]["pd"].plan.action == "recompute"
     for r in rows[1:]:
         plan, t = r["pd"].plan, r["t"]
         assert plan.action == "pull" and t.p_external == plan.pulled_tokens > 0, plan.explain()
-        assert t.d_kv_computed == r["prompt"] - plan.pulled_tokens  # what P computed
+        assert t.p_local_hit == plan.local_tokens
+        assert t.d_kv_computed == r["prompt"] - plan.local_tokens - plan.pulled_tokens == t.p_computed
 
 
 def test_c_edited_history_served_alone_is_answered_right(outcome: dict[str, Any]) -> None:
