@@ -28,11 +28,11 @@ class DecodeAloneRule(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     Fields:
         max_tokens: D's predicted prefill (prompt tokens - D's prefix hit in
             the index) is at most this many tokens.  Default 512: in the
-            seed-000 simulation (docs/benchmarks.md) every turn after the
-            first leaves D 150-180 tokens and gains from skipping P at every
-            context length, while a first turn (2,500+ tokens) is better on P;
-            512 tokens are one prefill chunk that adds at most one decode
-            step's worth of time to D's running requests there.
+            seed-000 benchmark simulation (docs/benchmarks.md) every turn
+            after the first leaves D 150-165 tokens and gains from skipping
+            P at every context length; 256-2,048 make the same choices, while
+            from 4,096 whole first prompts land in D's decode steps (worst
+            step 56-138 ms against 10-12 ms) for no TTFT gain.
         max_waiting: D's queue (``vllm:num_requests_waiting``) is at most this
             (default 0: D schedules everything it has).
         max_kv_usage: D's ``vllm:kv_cache_usage_perc`` is below this (default
