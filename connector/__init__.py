@@ -8,11 +8,14 @@
 - :mod:`connector.planner`: one object per router: choose P and D, pull or
   recompute, params for each leg, explanation.
 - :mod:`connector.advisor`: the recompute-threshold advisor.
+- :mod:`connector.decode_alone`: conditional disaggregation (when D serves a
+  turn alone).
 
 Imports kvindex and scorer, never kvevents.
 """
 
 from connector.advisor import Advice, ModelKV, TransferCost, advise, fit_transfer_cost
+from connector.decode_alone import DecodeAloneRule, PathTokens
 from connector.guard import GuardResult, clip_to_prompt
 from connector.params import (
     REJECTS,
@@ -28,10 +31,12 @@ from connector.retained import RetainedEntry, RetainedStore
 
 __all__ = [
     "Advice",
+    "DecodeAloneRule",
     "GuardResult",
     "InvalidParams",
     "ModelKV",
     "PDPlanner",
+    "PathTokens",
     "PrefillRequestParams",
     "REJECTS",
     "RemoteKVParams",

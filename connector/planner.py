@@ -21,6 +21,14 @@ Decisions (all explained in :attr:`TurnPlan.reasons`):
 - **D**: the weighted picker over the decode candidates, whose prefix scores
   count D's own prefix cache (from its KV events) and the decode-retained tier,
   so the D holding the conversation is preferred unless its load outweighs it.
+- **D alone** (with a :class:`connector.decode_alone.DecodeAloneRule`): the
+  tokens left to prefill on each path (:class:`connector.decode_alone.PathTokens`:
+  D alone from D's prefix hit, via P with a pull, via P recomputing); when D's
+  is small and D is not busy the turn has no P leg (action ``decode_only``,
+  counted in ``PlannerStats.decode_alone``): D gets
+  :func:`connector.decode_alone.decode_alone_params` (no remote fields; D
+  keeps the turn's KV for the next one) and the retained entry is left as it
+  is (the guard still runs and is reported).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import numpy as np
 
+from connector.decode_alone import DecodeAloneRule, PathTokens, decode_alone_params, decode_alone_verdict
 from connector.guard import GuardResult, clip_to_prompt
 from connector.params import RemoteKVParams, prefill_request_params
 from connector.retained import RetainedEntry, RetainedStore
@@ -84,6 +93,12 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
         cache_salt: the request's ``cache_salt`` (None: none); every request key
             of the turn (P's and D's prefix scores, the retained entry D's
             answer refreshes) is salted with it, as the engines' block hashes are.
+        paths: the tokens left to prefill on each path (None when the planner
+            has no decode-alone rule, and for :meth:`PDPlanner.decode_only`).
+        decode_params: for a turn D serves alone because of the rule, the
+            ``kv_transfer_params`` of D's request
+            (:func:`connector.decode_alone.decode_alone_params`); None otherwise
+            (the other decode_only turns send D none).
     """
 
     conversation_id: str | None
@@ -102,6 +117,8 @@ class TurnPlan(msgspec.Struct, frozen=True, kw_only=True):
     decode_choice: Choice
     fallback: str | None = None
     cache_salt: str | None = None
+    paths: PathTokens | None = None
+    decode_params: dict | None = None
 
     def explain(self) -> str:
         """One paragraph: pods, action, token counts and the reasons."""
@@ -118,7 +135,8 @@ class PlannerStats(msgspec.Struct, frozen=True):
     turns, pulls; recomputes by reason kind; clipped (guard cut the params);
     fallbacks by cause; retained_stored (entries refreshed from D);
     bad_decode_answers (D params whose block ids do not cover their tokens:
-    dropped); decode_only (turns D served without a P leg).
+    dropped); decode_only (turns D served without a P leg, all causes);
+    decode_alone (those of them the decode-alone rule chose).
     """
 
     turns: int
@@ -129,6 +147,7 @@ class PlannerStats(msgspec.Struct, frozen=True):
     retained_stored: int
     bad_decode_answers: int
     decode_only: int = 0
+    decode_alone: int = 0
 
 
 class PDPlanner:
@@ -149,6 +168,10 @@ class PDPlanner:
             sends D's params unclipped, as routers that trust the client do
             (for comparisons only: it lets P load KV for other tokens).
         model: model name scoping the request keys (as in the KV events).
+        decode_alone: conditional disaggregation: a turn whose prefill left on
+            D is small, D not busy, skips P
+            (:class:`connector.decode_alone.DecodeAloneRule`); None (default):
+            every :meth:`plan` has a P leg.
 
     Raises:
         ValueError: a negative threshold, or a store mirroring into another index.
@@ -166,6 +189,7 @@ class PDPlanner:
         tier_weights: TierWeights | Mapping[str, float] | None = None,
         guard: bool = True,
         model: str | None = None,
+        decode_alone: DecodeAloneRule | None = None,
     ) -> None:
         if recompute_threshold < 0:
             raise ValueError(f"recompute_threshold must be >= 0, got {recompute_threshold}")
@@ -181,6 +205,7 @@ class PDPlanner:
         self.weights = TierWeights.of(tier_weights)
         self.guard = guard
         self.model = model
+        self.decode_alone_rule = decode_alone
         self._lock = threading.Lock()
         self._turns = 0
         self._pulls = 0
@@ -188,6 +213,7 @@ class PDPlanner:
         self._retained = 0
         self._bad_answers = 0
         self._decode_only = 0
+        self._decode_alone = 0
         self._recomputes: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
 
@@ -232,9 +258,16 @@ class PDPlanner:
         p_choice, local = self._pick_prefill(keys, n_prompt, prefill_pods, loads, reasons)
         entry = self.store.get(conversation_id) if conversation_id is not None else None
         retained_pod = entry.decode_pod if entry is not None else None
-        d_choice = self._pick_decode(keys, decode_pods, loads, retained_pod, reasons)
+        d_choice, d_local = self._pick_decode(keys, n_prompt, decode_pods, loads, retained_pod, reasons)
         kind, why, remote, guard, pullable = self._retained_decision(
             conversation_id, entry, decode_pods, tokens, keys, local, reasons)
+        paths = None
+        if self.decode_alone_rule is not None:
+            pull = predicted_pull_tokens(pullable, n_prompt, local) if kind is None and remote is not None else 0
+            paths = PathTokens(n_prompt - d_local, n_prompt - local - pull, n_prompt - local)
+            if self._weigh_paths(paths, loads.get(d_choice.pod), reasons):
+                return self._alone_plan(conversation_id, n_prompt, d_choice, guard, pullable, retained_pod, paths,
+                                        reasons, cache_salt)
         if kind is None and remote is not None:
             assert conversation_id is not None
             if self.store.take(conversation_id) is None:
@@ -265,6 +298,48 @@ class PDPlanner:
             prefill_choice=p_choice,
             decode_choice=d_choice,
             cache_salt=cache_salt or None,
+            paths=paths,
+        )
+
+    def _weigh_paths(self, paths: PathTokens, d_load: LoadSnapshot | None, reasons: list[str]) -> bool:
+        """True when the decode-alone rule gives the turn to D alone (the verdict goes into ``reasons``)."""
+        assert self.decode_alone_rule is not None
+        reasons.append(paths.describe())
+        alone, verdict = decode_alone_verdict(self.decode_alone_rule, paths, d_load)
+        reasons.append(f"{DECODE_ONLY}: {verdict}" if alone else f"via P: {verdict}")
+        return alone
+
+    def _alone_plan(
+        self, conversation_id: str | None, n_prompt: int, d_choice: Choice, guard: GuardResult | None, pullable: int,
+        retained_pod: str | None, paths: PathTokens, reasons: list[str], cache_salt: str | None,
+    ) -> TurnPlan:
+        """The turn D serves alone by the decode-alone rule: no P leg, D keeps its KV for the next turn.
+
+        The retained entry is not taken: D's answer replaces it
+        (:meth:`decode_answered`), and D's prefix cache serves D's hit anyway.
+        """
+        with self._lock:
+            self._turns += 1
+            self._decode_only += 1
+            self._decode_alone += 1
+        return TurnPlan(
+            conversation_id=conversation_id,
+            prefill_pod="",
+            decode_pod=d_choice.pod,
+            action=DECODE_ONLY,
+            prefill_params={},
+            prompt_tokens=n_prompt,
+            local_tokens=0,
+            pullable_tokens=pullable,
+            pulled_tokens=0,
+            guard=guard,
+            retained_pod=retained_pod,
+            reasons=reasons,
+            prefill_choice=None,
+            decode_choice=d_choice,
+            cache_salt=cache_salt or None,
+            paths=paths,
+            decode_params=decode_alone_params(),
         )
 
     def _pick_prefill(
@@ -280,19 +355,24 @@ class PDPlanner:
         return choice, local
 
     def _pick_decode(
-        self, keys: Sequence[int], decode_pods: Sequence[str], loads: Mapping[str, LoadSnapshot],
+        self, keys: Sequence[int], n_prompt: int, decode_pods: Sequence[str], loads: Mapping[str, LoadSnapshot],
         retained_pod: str | None, reasons: list[str],
-    ) -> Choice:
-        """D by prefix (the retained tier included) and load."""
+    ) -> tuple[Choice, int]:
+        """D by prefix (the retained tier included) and load; (its choice, the prompt tokens D holds).
+
+        D's retained blocks stay in its prefix cache (vLLM 0.32 keeps them
+        hashed while it waits for a pull), so any tier counts for D's hit.
+        """
         scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
         choice = self.decode_picker.pick(scores, loads, list(decode_pods))
         d = choice.pod
+        held = predicted_cached_tokens(scores[d].matched_blocks, n_prompt, self.block_size)
         if retained_pod is not None:
             why = "holds the conversation" if d == retained_pod else f"{retained_pod} holds the conversation but lost"
             reasons.append(f"D {d}: {choice.explanation[d].reason} ({why})")
         else:
             reasons.append(f"D {d}: {choice.explanation[d].reason}")
-        return choice
+        return choice, held
 
     def _retained_decision(
         self, conversation_id: str | None, entry: RetainedEntry | None, decode_pods: Sequence[str],
@@ -477,4 +557,5 @@ class PDPlanner:
                 retained_stored=self._retained,
                 bad_decode_answers=self._bad_answers,
                 decode_only=self._decode_only,
+                decode_alone=self._decode_alone,
             )

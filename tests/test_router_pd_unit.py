@@ -181,3 +181,14 @@ def test_buffered_stream_keeps_what_a_stream_carries():
     del comp["choices"][0]["token_ids"], comp["choices"][0]["prompt_token_ids"]
     (only,) = answer_as_events(comp, False, include_usage=False)
     assert "token_ids" not in only["choices"][0] and "prompt_token_ids" not in only["choices"][0]
+
+
+def test_command_line_decode_alone_rule():
+    from connector.decode_alone import DecodeAloneRule
+
+    engines = ["--prefill", "p@http://127.0.0.1:1=tcp://127.0.0.1:2", "--decode", "d@http://127.0.0.1:3=tcp://127.0.0.1:4"]
+    assert build_config(engines).decode_alone is None
+    c = build_config([*engines, "--decode-alone", "256"])
+    assert c.decode_alone == DecodeAloneRule(max_tokens=256)
+    with pytest.raises(SystemExit):
+        build_config([*engines, "--decode-alone", "-1"])

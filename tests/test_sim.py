@@ -424,3 +424,36 @@ def test_benchmark_aligned_loads_cost_nothing_on_idle_engines():
         lag = pd.run_benchmark(m, policy, 4000, clients=msgspec.structs.replace(cl, async_scheduling=True))
         assert [msgspec.to_builtins(r) for r in on] == [msgspec.to_builtins(r) for r in off]
         assert [msgspec.to_builtins(r) for r in lag] == [msgspec.to_builtins(r) for r in on]
+
+
+def test_benchmark_decode_alone_turn_is_one_decode_step_of_what_d_lacks():
+    """One client, one conversation, the decode-alone rule: turn 1 goes through P; every later turn goes to D
+    alone (no P, nothing loaded) and its TTFT is the proxy's c0 plus one D step computing what D's cache lacks."""
+    from connector.decode_alone import DecodeAloneRule
+
+    m = _seed_model()
+    cl = pd.BenchClients(num_clients=1, max_active_conversations=1, num_conversations=2, tpot=0.007)
+    recs = pd.run_benchmark(m, "ours", 4000, clients=cl, decode_alone=DecodeAloneRule())
+    assert [r.action for r in recs[:5]] == ["recompute"] + ["decode_only"] * 4
+    for r in recs:
+        if r.action != "decode_only":
+            continue
+        n, c = r.context - r.decode_cached, r.decode_cached
+        assert r.pulled == r.local == 0 and r.prefill_pod == ""
+        assert pd.SEED_TURNS.user_tokens < n <= pd.SEED_TURNS.user_tokens + 16  # the new turn and the answer's tail
+        expected = m.c0 + cl.tpot + m.alpha * (n + m.k * (n * c + n * (n + 1) / 2))
+        assert r.ttft == pytest.approx(expected, rel=1e-9, abs=1e-9), r
+
+
+@pytest.mark.parametrize("max_tokens", [0, 512, 100_000])
+def test_benchmark_decode_alone_follows_the_rule(max_tokens):
+    """The seed's clients: a turn goes to D alone iff what D lacks is within the rule (D's queue is empty when
+    max_waiting allows); the first turn of a conversation, whose prompt D lacks, stays on P below 100,000."""
+    from connector.decode_alone import DecodeAloneRule
+
+    rule = DecodeAloneRule(max_tokens=max_tokens, max_waiting=1000, max_pending_tokens=10**6)
+    recs = pd.run_benchmark(_seed_model(), "ours", 2000, decode_alone=rule)
+    for r in recs:
+        alone = r.context - r.decode_cached <= max_tokens
+        assert (r.action == "decode_only") == alone, (r, max_tokens)
+    assert any(r.action == "decode_only" for r in recs) == (max_tokens > 0)

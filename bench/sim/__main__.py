@@ -1,4 +1,4 @@
-"""Run the simulator's sweeps: ``python -m bench.sim [--quick] [--section 2,3,m]``.
+"""Run the simulator's sweeps: ``python -m bench.sim [--quick] [--section 2,3,4,m]``.
 
 Section 2 (seed 002): every scheduler of :data:`bench.sim.schedulers.SCHEDULERS`
 on both seed-002 workloads, in one process, the same requests for each
@@ -6,9 +6,11 @@ on both seed-002 workloads, in one process, the same requests for each
 Section m: the same requests as a Mooncake trace through Dynamo's mocker
 (:mod:`bench.sim.mocker`), beside section 2's random and dynamo rows.
 Section 3 (seed 000): the 1P1D bidirectional-transfer TTFT curve
-(:mod:`bench.sim.pd`).  Prints markdown tables and writes
-``bench/out/sim_seed002.{json,md}``, ``sim_seed002_<workload>.png``,
-``sim_seed000.{json,md,png}``.
+(:mod:`bench.sim.pd`).  Section 4 (seed 000): the seed's policy, ours and ours
+with conditional disaggregation, both models (:mod:`bench.sim.pd_cond`).
+Prints markdown tables and writes ``bench/out/sim_seed002.{json,md}``,
+``sim_seed002_<workload>.png``, ``sim_seed000.{json,md,png}``,
+``sim_seed000_cond.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.sim import pd
+from bench.sim import pd, pd_cond
 from bench.sim.cluster import RunOptions, RunResult, run
 from bench.sim.mocker import cross_check, cross_table
 from bench.sim.schedulers import SCHEDULERS
@@ -99,9 +101,9 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="scaled-down workloads (seconds; used by the tests)")
-    ap.add_argument("--section", default="2,3,m",
-                    help="which sections: 2 (seed 002 table), 3 (seed 000 curve), m (Dynamo's mocker on "
-                         "section 2's trace; needs 2)")
+    ap.add_argument("--section", default="2,3,4,m",
+                    help="which sections: 2 (seed 002 table), 3 (seed 000 curve), 4 (seed 000, conditional "
+                         "disaggregation), m (Dynamo's mocker on section 2's trace; needs 2)")
     ap.add_argument("--workloads", default="73,37", help="seed-002 workloads: 73, 37")
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS))
     ap.add_argument("--seed", type=int, default=1)
@@ -184,6 +186,19 @@ def main(argv: list[str] | None = None) -> int:
             pd.plot(res, out / f"sim_seed000{suffix}.png")
             if bench is not None:
                 pd.plot_bench(bench, out / f"sim_seed000_bench{suffix}.png")
+        print(text)
+    if "4" in sections:
+        if args.quick:
+            cres = pd_cond.cond_sweep(contexts={name: (2000, 12000) for name in pd_cond.SWEEP}, rtol=1e-3)
+        else:
+            cres = pd_cond.cond_sweep(thresholds=(128, 256, 512, 1024, 2048, 4096, 8192),
+                                      threshold_contexts=(2000, 6000, 12000, 24000))
+        (out / f"sim_seed000_cond{suffix}.json").write_text(json.dumps(msgspec.to_builtins(cres), indent=1))
+        text = pd_cond.cond_table(cres)
+        (out / f"sim_seed000_cond{suffix}.md").write_text(
+            f"# Seed 000, conditional disaggregation ({stamp['date']}, {stamp['machine']})\n\n{text}\n")
+        if not args.no_plot:
+            pd_cond.plot_cond(cres, out / f"sim_seed000_cond{suffix}.png")
         print(text)
     return 0
 

@@ -65,6 +65,7 @@ import numpy as np
 from bench.sim.engine import SimPod, SimRequest, chain_hashes
 from bench.sim.wire import BlockStored, encode_batch, topic
 from connector.advisor import ModelKV, TransferCost, advise
+from connector.decode_alone import DecodeAloneRule
 from connector.params import RemoteKVParams
 from connector.planner import PDPlanner
 from connector.retained import RetainedStore
@@ -72,6 +73,7 @@ from kvindex.facade import Config, Indexer
 from kvevents.pool import RawMessage, Source
 from kvindex.reference import KVBlockIndex
 from kvindex.keys import TokenProcessor
+from scorer.load import LoadSnapshot
 
 __all__ = [
     "BenchClients",
@@ -244,10 +246,12 @@ class PDSim:
         bidirectional: D answers with retained-KV params (the seed's "on").
         block_size: tokens per block (vLLM's GPU default 16).
         threshold: ``kv_recompute_threshold`` of engines and planner (tokens).
+        decode_alone: the planner's decode-alone rule (None: every turn has a P leg).
     """
 
     def __init__(self, model: PDModel, *, prefill_pods: int = 1, prefix_caching: bool = False,
-                 bidirectional: bool = True, block_size: int = 16, threshold: int = 64) -> None:
+                 bidirectional: bool = True, block_size: int = 16, threshold: int = 64,
+                 decode_alone: DecodeAloneRule | None = None) -> None:
         self.model = model
         self.bs = block_size
         self.p_pods = [f"p{i}" for i in range(prefill_pods)]
@@ -266,7 +270,7 @@ class PDSim:
         self.ix = Indexer(cfg, index=index).start()
         self.store = RetainedStore(self.ix.index, clock=lambda: self.now)
         self.planner = PDPlanner(self.ix.index, self.ix.token_processor, self.store,
-                                 recompute_threshold=threshold, model=MODEL)
+                                 recompute_threshold=threshold, model=MODEL, decode_alone=decode_alone)
         self.cached: dict[str, set[int]] = {p: set() for p in self.p_pods + self.d_pods}  # engine hashes
         self.seq = dict.fromkeys(self.p_pods + self.d_pods, 0)
         self.sources = {p: Source(pod=p, model=MODEL) for p in self.seq}
@@ -317,12 +321,13 @@ class PDSim:
         self.answered(plan, prompt, output)
         return TurnRecord(L, plan.action, plan.prefill_pod, local, pulled, d_hit, ttft)
 
-    def begin(self, cid: str, prompt: np.ndarray) -> tuple[object, int, int, int]:
+    def begin(self, cid: str, prompt: np.ndarray, loads: dict | None = None) -> tuple[object, int, int, int]:
         """The proxy's decision for a turn at ``self.now``: (plan, P's local tokens, tokens P pulls from D,
-        tokens D already holds).  P computes at least the last prompt token, so local + pulled <= len - 1."""
+        tokens D already holds).  P computes at least the last prompt token, so local + pulled <= len - 1.
+        ``loads``: pod -> :class:`scorer.load.LoadSnapshot` (None: idle)."""
         L = len(prompt)
         self._settle()
-        plan = self.planner.plan(cid, prompt, self.p_pods, self.d_pods)
+        plan = self.planner.plan(cid, prompt, self.p_pods, self.d_pods, loads)
         local = min(plan.local_tokens, L - 1)
         pulled = max(0, min(plan.pulled_tokens, L - 1 - local))
         d_hit = min(len(self._hits(plan.decode_pod, prompt)) * self.bs, L - 1)
@@ -787,7 +792,7 @@ class _Flight:
     """A request in flight through proxy, P and D."""
 
     __slots__ = ("client", "conv", "turn", "prompt", "output", "plan", "local", "pulled", "d_hit", "start",
-                 "p_ready", "p_done", "d_ready", "ttft", "p_alone")
+                 "p_ready", "p_done", "d_ready", "ttft", "p_alone", "alone")
 
     def __init__(self, **kw) -> None:
         for k, v in kw.items():
@@ -814,7 +819,7 @@ def _alone(model: PDModel, n: int, c: int) -> float:
 def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnStructure = SEED_TURNS,
                   clients: BenchClients = SEED_CLIENTS, seed: int = 0, block_size: int = 16,
                   threshold: int = 64, replay: Sequence[BenchRecord] | None = None,
-                  trace: dict | None = None) -> list[BenchRecord]:
+                  trace: dict | None = None, decode_alone: DecodeAloneRule | None = None) -> list[BenchRecord]:
     """One point of the seed's sweep as its benchmark runs it: every request's record, in completion order.
 
     Clients as :class:`BenchClients`; each request goes proxy (``c0``, no
@@ -838,13 +843,15 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
     found no work of its own) and ``loads = [(engine, arrival, read, admitted), ...]`` (every connector load
     with ``aligned_loads``: when it reached the engine, its READ seconds, when it joined the waiting queue),
     and with ``clients.async_scheduling`` ``joins = [(engine, schedulable, queued), ...]`` (when each request
-    could be scheduled and when the engine's planner took it), for checking the step rules against plain oracles."""
+    could be scheduled and when the engine's planner took it), for checking the step rules against plain oracles.
+    ``decode_alone``: the planner's decode-alone rule (conditional disaggregation; D's load is its queue and
+    running requests); a turn it gives to D goes there at once and D prefills what its cache lacks in its steps."""
     if policy not in ("off", "on", "ours"):
         raise ValueError(f"unknown policy {policy!r}")
     if clients.num_clients < 1 or clients.max_active_conversations < clients.num_clients:
         raise ValueError("need at least one active conversation per client")
     sim = PDSim(model, prefill_pods=2 if policy == "ours" else 1, prefix_caching=policy == "ours",
-                bidirectional=policy != "off", block_size=block_size, threshold=threshold)
+                bidirectional=policy != "off", block_size=block_size, threshold=threshold, decode_alone=decode_alone)
     decided = {(r.conversation, r.turn): r for r in replay} if replay is not None else None
     cost_p = StepCost(model.alpha, model.k)
     cost_d = StepCost(model.alpha, model.k, clients.tpot)
@@ -897,7 +904,7 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
         else:
             f.d_ready = ready
             r = SimRequest(n, now, f.prompt, [], f.output)
-            r.external = len(f.prompt) - 1
+            r.external = f.d_hit if f.alone else len(f.prompt) - 1
         eng.add(r)
 
     def admitted(eng: SimPod, ld: _Load, now: float) -> None:
@@ -1001,13 +1008,17 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
             local, pulled, d_hit = d.local, d.pulled, d.decode_cached
         else:
             sim.now = now
-            plan, local, pulled, d_hit = sim.begin(f"c{j}", prompt)
+            d_loads = {d: LoadSnapshot(waiting=len(e.waiting), running=len(e.running)) for d, e in d_eng.items()}
+            plan, local, pulled, d_hit = sim.begin(f"c{j}", prompt, d_loads)
+        alone = plan.action == "decode_only"  # type: ignore[attr-defined]
         f = _Flight(client=c, conv=j, turn=k + 1, prompt=prompt, output=output, plan=plan, local=local,
                     pulled=pulled, d_hit=d_hit, start=now, p_ready=0.0, p_done=0.0, d_ready=0.0, ttft=0.0,
-                    p_alone=_alone(model, len(prompt) - local - pulled, local + pulled))
+                    p_alone=0.0 if alone else _alone(model, len(prompt) - local - pulled, local + pulled), alone=alone)
         n = next(rid)
         flights[n] = f
-        if aligned and pulled > 0:
+        if alone:  # no P leg: D prefills what it lacks in its own steps, nothing to load
+            push(now + model.c0, "d_ready", n)
+        elif aligned and pulled > 0:
             push(now + model.c0, "p_arrive", n)
         else:
             push(now + model.c0 + model.xfer(pulled), "p_ready", n)
@@ -1061,7 +1072,8 @@ def run_benchmark(model: PDModel, policy: str, prefix: int, *, structure: TurnSt
                         out.append(BenchRecord(
                             f.client, f.conv, f.turn, L, f.plan.action, f.plan.prefill_pod, f.local, f.pulled, f.d_hit, f.start,
                             f.ttft, max(0.0, f.p_done - f.p_ready - f.p_alone),
-                            max(0.0, (f.start + f.ttft) - f.d_ready - clients.tpot - _alone(model, 1, L - 1))))
+                            max(0.0, (f.start + f.ttft) - f.d_ready - clients.tpot
+                                - (_alone(model, L - f.d_hit, f.d_hit) if f.alone else _alone(model, 1, L - 1)))))
                         j = f.conv
                         turns_done[j] += 1
                         c = f.client

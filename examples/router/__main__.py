@@ -66,6 +66,10 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--recompute-threshold", type=int, help="P/D: the engines' kv_recompute_threshold (default 64)")
     p.add_argument("--retained-ttl", type=float, help="P/D: seconds D's retained KV is offered (default 450)")
     p.add_argument("--no-guard", action="store_true", help="P/D: send D's params unclipped (comparisons only)")
+    p.add_argument(
+        "--decode-alone", type=int, metavar="TOKENS",
+        help="P/D: a turn leaving D at most TOKENS to prefill, D not busy, skips P (see docs/user-guide.md)",
+    )
     p.add_argument("--pd-stream", choices=("buffer", "passthrough"), help="P/D: streaming clients (default buffer)")
     p.add_argument(
         "--no-healing", action="store_true",
@@ -122,6 +126,8 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
                 data[key] = value
         if args.no_guard:
             data["guard"] = False
+        if args.decode_alone is not None:
+            data["decode_alone"] = {**(data.get("decode_alone") or {}), "max_tokens": args.decode_alone}
         if args.no_healing:
             data["healing"] = False
         if args.redis_url:

@@ -79,6 +79,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.registry import Collector
 
+from connector.decode_alone import DecodeAloneRule
 from kvindex.facade import Config, Indexer
 from kvindex.facade.healing import HealingPolicy, with_full_report
 from kvevents.subscriber import EngineEndpoint
@@ -231,6 +232,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         next turn (below the engines' ``decoder_kv_blocks_ttl``, 480 s).
     guard: P/D: clip next-turn params to the prompt's common prefix with the
         retained tokens (off only for comparisons).
+    decode_alone: P/D: conditional disaggregation, a turn whose prefill left
+        on D is small and whose D is not busy skips P (None: never).
     pd_stream: P/D, clients asking to stream: ``buffer`` (D answers
         non-streaming, re-emitted as events; KV reuse kept) or ``passthrough``
         (D streams; the conversation's retained KV is not reused).
@@ -259,6 +262,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     recompute_threshold: int = 64
     retained_ttl: float = 450.0
     guard: bool = True
+    decode_alone: DecodeAloneRule | None = None
     pd_stream: Literal["buffer", "passthrough"] = "buffer"
     healing: bool = True
     heal_quiet_requests: int = 8

@@ -55,7 +55,9 @@ async def source_counters(session: aiohttp.ClientSession, engine: Engine) -> dic
     ``external_hits`` (``vllm:external_prefix_cache_hits_total``), ``nixl_failed``, and
     ``kv_computed_sum`` / ``kv_computed_count`` (``_sum`` and ``_count`` of the histogram
     ``vllm:request_prefill_kv_computed_tokens``: one observation per finished request of
-    prompt tokens - cached tokens, vllm/v1/metrics/loggers.py ``PrometheusStatLogger.record``).
+    prompt tokens - cached tokens, vllm/v1/metrics/loggers.py ``PrometheusStatLogger.record``),
+    and ``ttft_sum`` (``vllm:time_to_first_token_seconds_sum``: seconds from the engine's
+    arrival of each request to its first token, remote KV loads included).
 
     On a decode engine serving a remote prefill (``do_remote_prefill`` with
     ``remote_prefill_cached_tokens`` in its params), "cached" is the prefill engine's figure
@@ -76,6 +78,8 @@ async def source_counters(session: aiohttp.ClientSession, engine: Engine) -> dic
                 out["kv_computed_sum"] = out.get("kv_computed_sum", 0.0) + s.value
             elif s.name == "vllm:request_prefill_kv_computed_tokens_count":
                 out["kv_computed_count"] = out.get("kv_computed_count", 0.0) + s.value
+            elif s.name == "vllm:time_to_first_token_seconds_sum":
+                out["ttft_sum"] = out.get("ttft_sum", 0.0) + s.value
     return out
 
 
@@ -105,6 +109,8 @@ class Turn:
     d_local_hit: int = 0
     d_external: int = 0
     d_computed: int = 0
+    #: D's vllm:time_to_first_token_seconds during the turn (s): from D's arrival to its first token
+    d_ttft: float = 0.0
     top_logprobs: dict[str, float] = field(default_factory=dict)
 
 
@@ -171,6 +177,7 @@ async def run_turn(
         d_local_hit=_delta(d_after, d_before, "local_cache_hit"),
         d_external=_delta(d_after, d_before, "external_kv_transfer"),
         d_computed=_delta(d_after, d_before, "local_compute"),
+        d_ttft=d_after.get("ttft_sum", 0.0) - d_before.get("ttft_sum", 0.0),
         top_logprobs=top,
     )
 

@@ -16,7 +16,12 @@ One turn (``POST /v1/completions`` or ``/v1/chat/completions``):
    body's ``cache_salt``, as the engines' block hashes are).  A request one P
    prefill cannot serve (:func:`decode_only_reason`: a batch of prompts,
    ``n`` > 1, prompt logprobs) goes to D alone, as the client sent it
-   (:meth:`PDPlanner.decode_only`).
+   (:meth:`PDPlanner.decode_only`).  With ``decode_alone`` configured
+   (:class:`connector.decode_alone.DecodeAloneRule`), a turn that leaves D
+   little to prefill, D not busy, also skips P: D gets the plan's
+   ``decode_params`` (no remote field; D keeps the turn's KV) and its answer
+   refreshes the conversation's entry as in step 4
+   (``kvindex_router_pd_decode_alone_total``).
 3. **P leg**: the body with ``max_tokens`` 1 (``max_completion_tokens`` 1 for
    chat), ``stream`` false, the planned params, and without the fields that only
    shape P's discarded answer (logprobs, prompt logprobs, echo: see
@@ -48,7 +53,7 @@ client as it generates and the conversation's retained entry is dropped (vLLM
 0.32 streams no kv_transfer_params; vLLM PR #40186).
 
 Response headers: ``x-kvindex-prefill-pod``, ``x-kvindex-decode-pod``,
-``x-kvindex-pd-action`` (pull / recompute), ``x-kvindex-pulled-tokens``
+``x-kvindex-pd-action`` (pull / recompute / decode_only), ``x-kvindex-pulled-tokens``
 (predicted), ``x-kvindex-decision``.  ``GET /pd/decisions`` lists the turns.
 """
 
@@ -182,6 +187,9 @@ class PDRouter(Router):
         self.m_pd_errors = Counter(
             "kvindex_router_pd_errors", "Turns that failed, by leg.", ["leg"], registry=r
         )
+        self.m_pd_decode_alone = Counter(
+            "kvindex_router_pd_decode_alone", "Turns D served alone because little was left to prefill.", registry=r
+        )
 
     async def start(self) -> None:
         """Start the router, then build the planner over its index."""
@@ -197,6 +205,7 @@ class PDRouter(Router):
             tier_weights=self.indexer.tier_weights,
             guard=cfg.guard,
             model=self.model,
+            decode_alone=cfg.decode_alone,
         )
 
     def app(self) -> web.Application:
@@ -272,41 +281,25 @@ class PDRouter(Router):
         if alone is not None:
             return self._done(turn, started, await self._decode_alone(request, turn, body, headers))
 
-        # -- P leg
-        t0 = time.perf_counter()
-        p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
-        if p_status >= 500 and plan.action == "pull" and reached:
-            cause = f"prefill_http_{p_status}"
-            plan = self.planner.fallback(plan, cause)
-            turn.plan = plan
-            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
-            self.m_pd_fallbacks.labels(cause).inc()
-            p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
-        if not reached:
-            # no prefill pod answered (e.g. restarting): D prefills the request itself
-            turn.prefill_status = p_status
-            turn.prefill_ms = (time.perf_counter() - t0) * 1000.0
-            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
-            self.m_pd_fallbacks.labels("prefill_unreachable").inc()
-            turn.plan = self.planner.fallback(plan, "prefill_unreachable", decode_only=True)
-            return self._done(turn, started, await self._decode_alone(request, turn, body, headers))
-        turn.prefill_status = p_status
-        turn.prefill_ms = turn.ttft_ms = (time.perf_counter() - t0) * 1000.0
-        self.m_pd_turns.labels(plan.action).inc()
-        self.m_pd_pulled.inc(plan.pulled_tokens)
-        if p_status != 200:
-            self.m_pd_errors.labels("prefill").inc()
-            return self._done(turn, started, self._error(turn, p_status, p_raw))
-        p_params = params_from_json_body(p_raw, where=f"prefill pod {plan.prefill_pod}", rejects=self.rejects)
-        if p_params is not None:
-            turn.prefill_cached_tokens = p_params.remote_prefill_cached_tokens
+        if plan.decode_params is not None:
+            # the decode-alone rule: no P leg; D prefills what its cache lacks and keeps the KV for the next turn
+            self.m_pd_turns.labels(plan.action).inc()
+            self.m_pd_decode_alone.inc()
+            d_params: dict[str, Any] | None = plan.decode_params
+        else:
+            done, d_params = await self._prefill_leg(request, turn, body, path, headers, chat)
+            if done is not None:
+                return self._done(turn, started, done)
+            plan = turn.plan
 
         # -- D leg
         d_body = dict(body)
-        d_body["kv_transfer_params"] = self.planner.decode_params(p_params)
+        d_body["kv_transfer_params"] = d_params
         want_ids = bool(body.get("return_token_ids"))
         passthrough = stream and self.config.pd_stream == "passthrough"
         if passthrough:
+            if plan.decode_params is not None:
+                d_body.pop("kv_transfer_params")  # a streamed answer offers no next turn: nothing to retain
             self.planner.decode_answered(plan, None, tokens)
             return self._done(turn, started, await self._stream_decode(request, plan, d_body, headers, turn))
         d_body["stream"] = False
@@ -352,6 +345,43 @@ class PDRouter(Router):
         return self._done(
             turn, started, web.Response(status=200, body=msgspec.json.encode(answer), content_type="application/json", headers=extra)
         )
+
+    async def _prefill_leg(
+        self, request: web.Request, turn: PDTurn, body: dict[str, Any], path: str, headers: dict[str, str], chat: bool
+    ) -> tuple[web.StreamResponse | None, dict[str, Any] | None]:
+        """The P leg of ``turn`` (a failed pull retried once as a recompute; D alone when no P answers).
+
+        Returns (the client's response when the turn ends here, else None; D's params from P's answer).
+        """
+        t0 = time.perf_counter()
+        plan = turn.plan
+        p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
+        if p_status >= 500 and plan.action == "pull" and reached:
+            cause = f"prefill_http_{p_status}"
+            plan = self.planner.fallback(plan, cause)
+            turn.plan = plan
+            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
+            self.m_pd_fallbacks.labels(cause).inc()
+            p_status, p_raw, reached = await self._prefill(plan, body, path, headers, chat)
+        if not reached:
+            # no prefill pod answered (e.g. restarting): D prefills the request itself
+            turn.prefill_status = p_status
+            turn.prefill_ms = (time.perf_counter() - t0) * 1000.0
+            turn.fallback_error = p_raw[:500].decode("utf-8", "replace")
+            self.m_pd_fallbacks.labels("prefill_unreachable").inc()
+            turn.plan = self.planner.fallback(plan, "prefill_unreachable", decode_only=True)
+            return await self._decode_alone(request, turn, body, headers), None
+        turn.prefill_status = p_status
+        turn.prefill_ms = turn.ttft_ms = (time.perf_counter() - t0) * 1000.0
+        self.m_pd_turns.labels(plan.action).inc()
+        self.m_pd_pulled.inc(plan.pulled_tokens)
+        if p_status != 200:
+            self.m_pd_errors.labels("prefill").inc()
+            return self._error(turn, p_status, p_raw), None
+        p_params = params_from_json_body(p_raw, where=f"prefill pod {plan.prefill_pod}", rejects=self.rejects)
+        if p_params is not None:
+            turn.prefill_cached_tokens = p_params.remote_prefill_cached_tokens
+        return None, self.planner.decode_params(p_params)
 
     async def _prefill(
         self, plan: TurnPlan, body: dict[str, Any], path: str, headers: dict[str, str], chat: bool

@@ -28,7 +28,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -39,7 +39,7 @@ from connector.guard import common_prefix_len
 from examples.router.app import engine_session
 from examples.router.serve import RunningRouter
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
-from examples.vllm_fleet.fleet import FleetEnv, FleetError, free_port
+from examples.vllm_fleet.fleet import free_port
 from examples.vllm_fleet.pd import PDFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
@@ -49,26 +49,6 @@ D_TTL = 90  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are le
 # events take 10-40 s on a loaded 2-core machine, and an entry that expires first makes turn 2 recompute
 TOLERANCE = 0.02  # logprob: bf16 pull vs recompute differed by <= 0.004 here (FACTS)
 FIRST_ANSWER = 70  # tokens generated in turn 1: 300 % 32 + 70 - 1 = 81 >= the engines' threshold of 64 to pull
-
-
-@pytest.fixture(scope="module")
-def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[PDFleet]:
-    fleet = PDFleet(
-        venv=vllm_env.venv,
-        model_dir=vllm_env.model_dir,
-        log_dir=tmp_path_factory.mktemp("pd-logs"),
-        blocks_ttl=D_TTL,
-    )
-    t0 = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"P/D engines did not start: {e}", pytrace=False)
-    vllm_timings["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
-    try:
-        yield fleet
-    finally:
-        fleet.close()
 
 
 def ids(seed: str, n: int) -> list[int]:
