@@ -375,10 +375,15 @@ class Subscriber:
             submit = self.pool.submit
             while not self._stop.is_set():
                 self._drain_commands(sockets, owners, poller)
-                for sock, _ev in poller.poll(50):
+                ready = [sock for sock, _ev in poller.poll(50)]
+                # connection events first: a DISCONNECTED queued before a restarted engine's
+                # first messages must reach the pool before them
+                for sock in ready:
+                    if sock not in sockets:
+                        self._on_monitor(sock)
+                for sock in ready:
                     source = sockets.get(sock)
                     if source is None:
-                        self._on_monitor(sock)
                         continue
                     for _ in range(1000):  # bounded burst per socket per poll
                         try:
