@@ -359,7 +359,13 @@ class Subscriber:
                     sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
                     sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
                     sock.setsockopt(zmq.SUBSCRIBE, b"")
-                    sock.bind(self._bind)
+                    try:
+                        sock.bind(self._bind)
+                    except zmq.ZMQError:
+                        # closed here: the error kept for start() holds this frame, and a socket left
+                        # open in that cycle makes the context's collection block in term()
+                        sock.close(linger=0)
+                        raise
                     sockets[sock] = self._source_for_bind()
                     for pod in self._bind_replay:
                         self.pool.bootstrap(sockets[sock], pod, 0)

@@ -163,7 +163,7 @@ json_values = st.recursive(json_scalar, lambda c: st.lists(c, max_size=3) | st.d
 
 
 @given(st.dictionaries(st.sampled_from(sorted(D_ANSWER)) | ident, json_values, max_size=14))
-@settings(max_examples=300)
+@settings(max_examples=120)
 def test_fuzz_params_objects(obj):
     """Any JSON object: either rejected (counted) or a valid, round-trippable params object."""
     rej = RejectCounter()

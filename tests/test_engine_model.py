@@ -711,7 +711,7 @@ COMMON = dict(deadline=None, suppress_health_check=list(HealthCheck), derandomiz
 
 def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
     machine = type("Machine", (EngineMachine,), {"index_factory": staticmethod(index_factory)})
-    n = _examples(index_factory, 250, 30)
+    n = _examples(index_factory, 120, 30)
     run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=40, **COMMON))
 
 
@@ -723,12 +723,12 @@ def test_index_converges_through_replay_outages(index_factory: IndexFactory) -> 
 
 def test_index_converges_to_the_engines_over_zmq(index_factory: IndexFactory) -> None:
     machine = type("Machine", (ZmqEngineMachine,), {"index_factory": staticmethod(index_factory)})
-    n = _examples(index_factory, 40, 8)
+    n = _examples(index_factory, 25, 8)
     run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=25, **COMMON))
 
 
 #: examples per run of the rejoin machine (python and native; redis runs a fifth); raise it to hunt for faults
-REJOIN_EXAMPLES = int(os.environ.get("REJOIN_EXAMPLES", "20"))
+REJOIN_EXAMPLES = int(os.environ.get("REJOIN_EXAMPLES", "12"))
 
 
 def test_index_converges_to_idle_engines_rejoining_over_zmq(index_factory: IndexFactory) -> None:

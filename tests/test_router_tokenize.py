@@ -1,7 +1,7 @@
 """The reference router tokenizes locally when configured (examples/router/app.py, kvindex.tokenize).
 
 The fallback to an engine's /tokenize for requests the library cannot
-reproduce is exercised against real engines in tests/real/test_router.py.
+reproduce is exercised against real engines in tests/real/fleet/test_router.py.
 """
 
 from __future__ import annotations

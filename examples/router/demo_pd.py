@@ -10,7 +10,7 @@ pulled (predicted and as P's ``prompt_tokens_by_source_total
 {source="external_kv_transfer"}`` counted), P's local hits (predicted and
 counted), and TTFT (the P leg's time).
 
-Helpers here are shared with tests/real/test_pd.py.
+Helpers here are shared with tests/real/pd/test_pd.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ round-robin routing on emptied caches (``POST /reset_prefix_cache``), and
 the totals of engine-reported cached tokens are compared.
 
 Run: ``python -m examples.router.demo_vllm [--no-round-robin] [--quiet]``.
-The workload functions are reused by tests/real/test_router.py.
+The workload functions are reused by tests/real/fleet/test_router.py.
 """
 
 from __future__ import annotations

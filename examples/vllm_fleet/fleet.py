@@ -235,6 +235,7 @@ class Engine:
     started_at: float = 0.0
     startup_seconds: float | None = None
     starts: int = 0
+    hash_algo: str = ""  # --prefix-caching-hash-algo of the running process (set at each start)
     _log_file: Any = field(default=None, repr=False)
 
     @property
@@ -528,6 +529,7 @@ class VllmFleet:
         engine._log_file = log
         engine.started_at = time.monotonic()
         engine.startup_seconds = None
+        engine.hash_algo = self.hash_algo
         engine.process = subprocess.Popen(
             argv,
             env=self.environment(engine),

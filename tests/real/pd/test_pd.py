@@ -41,12 +41,11 @@ from examples.router.serve import RunningRouter
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.vllm_fleet.fleet import free_port
 from examples.vllm_fleet.pd import PDFleet
+from tests.real.pd.conftest import D_TTL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
 BLOCK = 32
-D_TTL = 90  # s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left); turn 1 + the wait for its
-# events take 10-40 s on a loaded 2-core machine, and an entry that expires first makes turn 2 recompute
 TOLERANCE = 0.02  # logprob: bf16 pull vs recompute differed by <= 0.004 here (FACTS)
 FIRST_ANSWER = 70  # tokens generated in turn 1: 300 % 32 + 70 - 1 = 81 >= the engines' threshold of 64 to pull
 

@@ -32,11 +32,10 @@ from examples.router.app import engine_session
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.router.serve import RunningRouter
 from examples.vllm_fleet.pd import PDFleet
-from tests.real.test_pd import TOLERANCE, ids, max_diff, reference_top
+from tests.real.pd.test_pd import TOLERANCE, ids, max_diff, reference_top
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
-D_TTL = 480
 RULE = DecodeAloneRule(max_tokens=128)
 FIRST = 800  # tokens of turn 1's prompt
 ANSWER = 100  # tokens D generates per turn: D retains 99 of them, which P (prefix caching on) lacks: >= 64, a pull
