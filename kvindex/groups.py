@@ -174,7 +174,7 @@ class GroupsMixin:
     def _store_in_group(
         self, stream: Stream, group: GroupSpec, engine_keys: Sequence[int], parent: int | None,
         token_ids: Sequence[int] | None, bit: int, block_size: int | None,
-        extra_keys: Sequence[Sequence | None] | None, lora_name: str | None,
+        extra_keys: Sequence[Sequence[Any] | None] | None, lora_name: str | None,
     ) -> int:
         """A BlockStored of a non-primary group: into that group's table only."""
         g, tables = group.group_idx, self._groups
