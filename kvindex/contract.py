@@ -20,6 +20,7 @@ import msgspec
 if TYPE_CHECKING:
     import numpy as np
 
+    from kvindex.hybrid import GroupSpec
     from kvindex.keys import TokenProcessor
 
 #: Request keys as a reader passes them: ints, or a uint64 array (the compiled key chain's output).
@@ -31,6 +32,7 @@ __all__ = [
     "SharedStore",
     "ApplyResult",
     "BatchApply",
+    "GroupAware",
     "IndexStats",
     "IndexUnavailable",
     "KVIndex",
@@ -114,6 +116,10 @@ class IndexStats(msgspec.Struct, frozen=True):
     redis_errors: calls that could not reach the Redis server (Redis backend
     only; reads answered without prefix information, writes dropped);
     dropped_writes: of those, write calls not applied.
+    group_entries: (block, pod, DP rank) entries of KV-cache groups other
+    than each publisher's primary one (hybrid models; :class:`GroupAware`
+    backends only); group_unmapped: blocks of such groups' stores dropped
+    because their parent was unknown (own-hash mode).
     """
 
     keys: int
@@ -135,6 +141,8 @@ class IndexStats(msgspec.Struct, frozen=True):
     clears: int
     redis_errors: int = 0
     dropped_writes: int = 0
+    group_entries: int = 0
+    group_unmapped: int = 0
 
 
 class _AllModels:
@@ -221,6 +229,26 @@ class BatchApply(Protocol):
         self, pod: str, dp_rank: int, events: Sequence[Any], *, model: str | None = None,
         kinds: tuple[type, type, type],
     ) -> ApplyResult: ...
+
+
+@runtime_checkable
+class GroupAware(Protocol):
+    """A backend that keeps presence per KV-cache group (hybrid models; see :mod:`kvindex.groups`).
+
+    Its ``block_stored`` takes ``group=`` (a :class:`kvindex.hybrid.GroupSpec`,
+    from the event's group fields) and its ``block_removed`` takes
+    ``group_idx=``; the write path passes them only to such a backend.  A
+    removal of one group never drops another group's entry.  Only the
+    reference backend is GroupAware so far: the compiled and Redis backends
+    merge the groups of a publisher (a BlockRemoved of any group drops the
+    block), as before.
+    """
+
+    def group_specs(self, pod: str, dp_rank: int = 0, *, model: str | None = None) -> dict[int, GroupSpec]: ...
+
+    def group_match(
+        self, request_keys: Sequence[int], pod: str, dp_rank: int = 0, *, model: str | None = None
+    ) -> dict[int, list[int]]: ...
 
 
 @runtime_checkable

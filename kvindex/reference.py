@@ -32,6 +32,8 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from itertools import takewhile
 
 from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, RequestKeys, _AllModels
+from kvindex.groups import MAIN, GroupsMixin, GroupTables
+from kvindex.hybrid import GroupSpec
 from kvindex.keys import TokenProcessor
 from kvindex.side_tables import SideTables, _Orphan, checked_store
 from kvindex.tiers import GPU, tier_bit, tier_names
@@ -60,7 +62,7 @@ class _PodBlock:
 _Stream = tuple[str, int, "str | None"]  # (pod, DP rank, model): one publisher
 
 
-class KVBlockIndex(SideTables):
+class KVBlockIndex(SideTables, GroupsMixin):
     """In-memory two-level index of which pod holds which KV block.
 
     Args:
@@ -116,22 +118,11 @@ class KVBlockIndex(SideTables):
         self._models: set[str | None] = set()  # models named by stored events (key scopes)
         self._maybe_empty: set[_Stream] = set()  # stream maps that may have emptied
         self._init_side_tables()  # orphans, speculative and held entries
-        self._c = dict.fromkeys(
-            (
-                "evictions",
-                "stored_blocks",
-                "removed_blocks",
-                "unknown_removals",
-                "unknown_offloads",
-                "orphans",
-                "orphans_attached",
-                "orphans_dropped",
-                "speculative_confirmed",
-                "speculative_expired",
-                "clears",
-            ),
-            0,
-        )
+        self._groups = GroupTables()  # KV-cache groups other than the primary one (hybrid models)
+        self._c = dict.fromkeys((
+            "evictions", "stored_blocks", "removed_blocks", "unknown_removals", "unknown_offloads", "orphans",
+            "orphans_attached", "orphans_dropped", "speculative_confirmed", "speculative_expired", "clears",
+        ), 0)
 
     # ------------------------------------------------------------------ write
 
@@ -148,6 +139,7 @@ class KVBlockIndex(SideTables):
         extra_keys: Sequence[Sequence | None] | None = None,
         lora_name: str | None = None,
         model: str | None = None,
+        group: GroupSpec | None = None,
     ) -> int:
         """Apply one BlockStored event; returns the number of blocks attached now.
 
@@ -164,6 +156,8 @@ class KVBlockIndex(SideTables):
             extra_keys: per block, the untagged extra keys of the event (a LoRA
                 name first is stripped: the LoRA name scopes the chain root).
             lora_name, model: scope the keys (model from the topic).
+            group: the event's KV-cache group (:func:`kvindex.hybrid.spec_from_store`);
+                None for a plain store.  See :mod:`kvindex.groups`.
 
         Returns:
             Blocks attached now (orphans released included); 0 when they wait
@@ -174,6 +168,9 @@ class KVBlockIndex(SideTables):
         """
         bit = tier_bit(tier)
         with self._lock:
+            if group is not None and self._groups.learn((pod, dp_rank, model), group) != MAIN:
+                return self._store_in_group((pod, dp_rank, model), group, engine_keys, parent_engine_key,
+                                            token_ids, bit, block_size, extra_keys, lora_name)
             if not token_ids:
                 n = self._store_tokenless(pod, dp_rank, engine_keys, bit, model)
                 if self._maybe_empty:
@@ -201,9 +198,12 @@ class KVBlockIndex(SideTables):
             return n
 
     def block_removed(
-        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None,
+        group_idx: int | None = None,
     ) -> int:
         """Apply one BlockRemoved: drop ``tier`` from the copies of publisher (pod, rank, model).
+
+        ``group_idx``: the event's KV-cache group; only that group's entries go.
 
         Mirrors vllm/distributed/kv_events.py BlockRemoved (vLLM 0.32).
         Unknown engine keys are counted (``unknown_removals``) and skipped.
@@ -214,6 +214,8 @@ class KVBlockIndex(SideTables):
         bit = tier_bit(tier)
         removed = 0
         with self._lock:
+            if self._groups.route((pod, dp_rank, model), group_idx) != MAIN:
+                return self._remove_in_group((pod, dp_rank, model), group_idx, engine_keys, bit)
             stream = self._streams.get((pod, dp_rank, model))
             for ek in engine_keys:
                 rk = stream.get(ek) if stream is not None else None
@@ -269,6 +271,8 @@ class KVBlockIndex(SideTables):
                         self._drop_pod_mask(pod, rk)
                         if not pods:
                             del self._blocks[rk]
+            n += self._groups.clear(
+                lambda s: s[0] == pod and (dp_rank is None or s[1] == dp_rank) and (every or s[2] == model))
             self._drop_orphans_of(pod, dp_rank, model)
             if dp_rank is None and every:
                 held = self._held.pop(pod, None)
@@ -526,6 +530,8 @@ class KVBlockIndex(SideTables):
                 pods=len({s[0] for s, m in self._streams.items() if m}),
                 orphan_blocks=self._orphan_blocks,
                 speculative=sum(len(h) for h in self._spec.values()),
+                group_entries=self._groups.entries(),
+                group_unmapped=self._groups.unmapped,
                 **self._c,
             )
 

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 from sortedcontainers import SortedList
 
-from kvindex.contract import ALL_MODELS, ApplyResult, IndexUnavailable, _AllModels
+from kvindex.contract import ALL_MODELS, ApplyResult, GroupAware, IndexUnavailable, _AllModels
+from kvindex.hybrid import spec_from_store
 from kvindex.keys import extra_keys_from_event, int_lora_scope
 from kvindex.tiers import tier_bit
 
@@ -61,22 +62,28 @@ def apply_each(
     (BlockStored, BlockRemoved, AllBlocksCleared) event classes
     (kvevents.events); events of another type are ignored.  An
     :class:`~kvindex.contract.IndexUnavailable` stops the batch there (see
-    :attr:`ApplyResult.unavailable`).
+    :attr:`ApplyResult.unavailable`).  Events' KV-cache groups reach a
+    :class:`~kvindex.contract.GroupAware` index only.
     """
     stored_t, removed_t, cleared_t = kinds
+    grouped = isinstance(index, GroupAware)
     r = result if result is not None else ApplyResult()
     for i in range(start, len(events)):
         ev = events[i]
         t = type(ev)
         try:
             if t is stored_t:
+                kw = {"group": spec_from_store(
+                    ev.group_idx, ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window,
+                )} if grouped and ev.group_idx is not None else {}
                 index.block_stored(
                     pod, dp_rank, ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.tier,
-                    block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model,
+                    block_size=ev.block_size, extra_keys=ev.extra_keys, lora_name=ev.lora_name, model=model, **kw,
                 )
                 r.stored_blocks += len(ev.block_hashes)
             elif t is removed_t:
-                index.block_removed(pod, dp_rank, ev.block_hashes, ev.tier, model=model)
+                rkw = {"group_idx": ev.group_idx} if grouped and ev.group_idx is not None else {}
+                index.block_removed(pod, dp_rank, ev.block_hashes, ev.tier, model=model, **rkw)
                 r.removed_blocks += len(ev.block_hashes)
             elif t is cleared_t:
                 index.clear(pod, dp_rank, model=model)

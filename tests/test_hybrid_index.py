@@ -1,0 +1,225 @@
+"""Per-group state of the reference index, driven by a model engine with several KV-cache groups.
+
+The model engine (sliding window, full attention, Mamba; block size 4) caches
+what vLLM 0.32 keeps under its default sparse retention: every prompt block
+for full attention, only the trailing window at the prompt's last boundary for
+the sliding-window group, only the state at that boundary for Mamba.  It
+evicts blocks of one group at a time, resets its prefix cache and restarts.
+Its events go through the real decoder (kvevents.wire) and the index's batch
+apply, as the pool sends them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvevents.wire import decode_vllm_batch
+from kvindex.contract import GroupAware
+from kvindex.hybrid import GroupSpec, predict_hit
+from kvindex.keys import TokenProcessor
+from kvindex.reference import KVBlockIndex
+from kvindex.tiers import GPU, tier_bit
+from tests.oracle import batch_payload, cleared_event, engine_hash, removed_event, stored_event
+
+KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
+BS = 4
+GROUPS = (GroupSpec(0, "sliding_window", BS, 8), GroupSpec(1, "full_attention", BS), GroupSpec(2, "mamba", BS))
+SWA_NEED = 2  # ceil((8 - 1) / 4)
+PODS = ("a", "b")
+GPU_BIT = tier_bit(GPU)
+
+
+def _paths(seed: int) -> list[tuple[int, ...]]:
+    """Prompts sharing leading blocks (a system prompt, then users' turns)."""
+    rnd = random.Random(seed)
+    base = [rnd.randrange(1, 9_000) for _ in range(6 * BS)]
+    out = []
+    for p in range(6):
+        shared = base[: (p % 4) * 2 * BS]
+        out.append(tuple(shared + [rnd.randrange(1, 9_000) for _ in range(rnd.randrange(1, 5) * BS + p)]))
+    return out
+
+
+class HybridEngines(RuleBasedStateMachine):
+    """Two pods serving one hybrid model; the reference index follows their events."""
+
+    compat = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        algo = "vllm_sha256_cbor" if self.compat else "xxh3_chain"
+        self.tp = TokenProcessor(BS, algorithm=algo)
+        self.index = KVBlockIndex(self.tp)
+        self.paths = _paths(0)
+        self.held: dict[str, dict[int, set[int]]] = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
+
+    @initialize(seed=st.integers(0, 3))
+    def setup(self, seed: int) -> None:
+        self.paths = _paths(seed)
+
+    # -- the engine
+
+    def eks(self, path: tuple[int, ...]) -> list[int]:
+        n = len(path) // BS
+        if self.compat:
+            return [int(k) for k in self.tp.request_keys(path)]
+        return [engine_hash(path[: (i + 1) * BS]) for i in range(n)]
+
+    def publish(self, pod: str, events: list) -> None:
+        batch = decode_vllm_batch(batch_payload(events))
+        assert not batch.bad_events
+        r = self.index.apply_events(pod, 0, batch.events, kinds=KINDS)
+        assert not r.errors, r.errors
+
+    def kept(self, group: GroupSpec, n_tokens: int) -> list[int]:
+        """Blocks a group keeps of a prompt: all (full), the trailing window or the state at its boundary."""
+        last = (n_tokens - 1) // BS  # blocks before the replay boundary N - 1
+        if group.kind == "full_attention":
+            return list(range(n_tokens // BS))
+        if group.kind == "sliding_window":
+            return list(range(max(0, last - SWA_NEED), last))
+        return [last - 1] if last else []
+
+    @rule(pod=st.sampled_from(PODS), p=st.integers(0, 5))
+    def serve(self, pod: str, p: int) -> None:
+        path = self.paths[p]
+        eks = self.eks(path)
+        events = []
+        for g in GROUPS:
+            held = self.held[pod][g.group_idx]
+            for i in self.kept(g, len(path)):
+                if eks[i] in held:
+                    continue
+                held.add(eks[i])
+                events.append(stored_event(
+                    [eks[i]], eks[i - 1] if i else None, path[i * BS : (i + 1) * BS], BS,
+                    group_idx=g.group_idx, kv_cache_spec_kind=g.kind, kv_cache_spec_sliding_window=g.window,
+                ))
+        self.publish(pod, events)
+
+    @rule(pod=st.sampled_from(PODS), g=st.sampled_from([0, 1, 2]), pick=st.integers(0, 10**6))
+    def evict(self, pod: str, g: int, pick: int) -> None:
+        held = sorted(self.held[pod][g])
+        if not held:
+            return
+        ek = held[pick % len(held)]
+        self.held[pod][g].discard(ek)
+        self.publish(pod, [removed_event([ek]) | {"group_idx": g}])
+
+    @rule(pod=st.sampled_from(PODS))
+    def reset_prefix_cache(self, pod: str) -> None:
+        for h in self.held[pod].values():
+            h.clear()
+        self.publish(pod, [cleared_event()])
+
+    @rule(pod=st.sampled_from(PODS))
+    def restart(self, pod: str) -> None:
+        for h in self.held[pod].values():
+            h.clear()
+        self.index.clear(pod, 0, model=None)  # what the pool does when the sequence restarts at 0
+
+    # -- the properties
+
+    def claims(self, pod: str) -> dict[int, set[int]]:
+        """group -> engine keys of the universe's blocks the index says the pod holds (gpu)."""
+        out: dict[int, set[int]] = {g.group_idx: set() for g in GROUPS}
+        for path in self.paths:
+            keys = self.tp.request_keys(path)
+            for g, masks in self.index.group_match(keys, pod).items():
+                out[g].update(ek for ek, m in zip(self.eks(path), masks) if m & GPU_BIT)
+        return out
+
+    @invariant()
+    def never_claims_a_block_the_engine_lacks(self) -> None:
+        for pod in PODS:
+            claims = self.claims(pod)
+            for g in claims:
+                assert claims[g] <= self.held[pod][g], (pod, g)
+                if self.compat or g == 1:  # nothing is lost either (own-hash: sparse parents may be unknown)
+                    universe = {ek for path in self.paths for ek in self.eks(path)}
+                    assert claims[g] == self.held[pod][g] & universe, (pod, g)
+
+    @invariant()
+    def predicts_what_the_engine_would_serve(self) -> None:
+        if not self.compat:
+            return
+        for pod in PODS:
+            for path in self.paths:
+                keys = self.tp.request_keys(path)
+                specs = list(self.index.group_specs(pod).values())
+                if not specs:
+                    continue
+                masks = self.index.group_match(keys, pod)
+                eks = self.eks(path)
+                mine = predict_hit(specs, lambda g, end: bool(masks[g][end // BS - 1] & GPU_BIT), len(path))
+                truth = predict_hit(specs, lambda g, end: eks[end // BS - 1] in self.held[pod][g], len(path))
+                assert mine == truth
+
+
+class CompatEngines(HybridEngines):
+    compat = True
+
+
+SETTINGS = settings(max_examples=100, stateful_step_count=25)
+
+
+def test_own_hash_mode() -> None:
+    run_state_machine_as_test(HybridEngines, settings=SETTINGS)
+
+
+def test_engine_hash_mode() -> None:
+    run_state_machine_as_test(CompatEngines, settings=SETTINGS)
+
+
+def test_ignoring_group_idx_on_removal_breaks_the_property(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check: a removal applied without its group (what a merged index does) is caught."""
+    original = KVBlockIndex.block_removed
+
+    def merged(self, pod, dp_rank, engine_keys, tier, *, model=None, group_idx=None):
+        return original(self, pod, dp_rank, engine_keys, tier, model=model)
+
+    monkeypatch.setattr(KVBlockIndex, "block_removed", merged)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            CompatEngines,
+            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate]),
+        )
+
+
+def test_only_the_reference_is_group_aware() -> None:
+    """The compiled and Redis backends merge groups for now: the write path keeps their calls as before."""
+    from kvindex.redis_index import RedisKVBlockIndex
+
+    assert isinstance(KVBlockIndex(), GroupAware)
+    assert not hasattr(RedisKVBlockIndex, "group_match")
+    native = pytest.importorskip("kvindex.native")
+    ix = native.NativeKVBlockIndex(TokenProcessor(BS))
+    assert not isinstance(ix, GroupAware)
+    path = tuple(range(1, 9))
+    eks = [engine_hash(path[:4]), engine_hash(path)]
+    ev = [stored_event(eks, None, path, BS, group_idx=g, kv_cache_spec_kind=k) for g, k in
+          ((0, "sliding_window"), (1, "full_attention"))]
+    r = ix.apply_events("a", 0, decode_vllm_batch(batch_payload(ev)).events, kinds=KINDS)
+    assert not r.errors and ix.stats().entries == 2
+
+
+def test_plain_model_unchanged() -> None:
+    """group_idx absent or 0 with full attention: the main tables only, nothing per group."""
+    path = tuple(range(1, 13))
+    eks = [engine_hash(path[: (i + 1) * BS]) for i in range(3)]
+    for extra in ({}, {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}):
+        ix = KVBlockIndex(TokenProcessor(BS))
+        batch = decode_vllm_batch(batch_payload([stored_event(eks, None, path, BS, **extra)]))
+        ix.apply_events("a", 0, batch.events, kinds=KINDS)
+        keys = TokenProcessor(BS).request_keys(path)
+        assert len(ix.prefix_match(keys)["a"]) == 3
+        assert ix.stats().group_entries == 0
+        batch = decode_vllm_batch(batch_payload([removed_event(eks[2:]) | extra]))
+        ix.apply_events("a", 0, batch.events, kinds=KINDS)
+        assert len(ix.prefix_match(keys)["a"]) == 2
