@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
-from tests.real.conftest import TIMINGS
+
 
 HERE = Path(__file__).resolve().parent
 ORDER = ("test_live_index.py", "test_router.py", "test_engine_smoke.py")
@@ -38,7 +38,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 @pytest.fixture(scope="package")
-def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
+def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[VllmFleet]:
     """Two running engines (sha256_cbor, block size 32); torn down after the package."""
     fleet = VllmFleet(2, venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("vllm-logs"))
     start = time.monotonic()
@@ -46,7 +46,7 @@ def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> 
         fleet.start()
     except FleetError as e:
         pytest.fail(f"engines did not start: {e}", pytrace=False)
-    TIMINGS["2 engines start-up (concurrent)"] = time.monotonic() - start
+    vllm_timings["2 engines start-up (concurrent)"] = time.monotonic() - start
     try:
         yield fleet
     finally:

@@ -15,7 +15,7 @@ import pytest
 
 from examples.vllm_fleet.fleet import FleetEnv, FleetError
 from examples.vllm_fleet.pd import PDFleet
-from tests.real.conftest import TIMINGS
+
 
 #: s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left). Turn 1 and the wait for
 #: its events take 10-40 s on a loaded 2-core machine, and an entry that expires first makes
@@ -24,7 +24,7 @@ D_TTL = 90
 
 
 @pytest.fixture(scope="package")
-def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDFleet]:
+def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[PDFleet]:
     """A running P/D pair (NixlConnector, bidirectional); torn down after the package."""
     fleet = PDFleet(
         venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("pd-logs"), blocks_ttl=D_TTL
@@ -34,7 +34,7 @@ def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> It
         fleet.start()
     except FleetError as e:
         pytest.fail(f"P/D engines did not start: {e}", pytrace=False)
-    TIMINGS["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
+    vllm_timings["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
     try:
         yield fleet
     finally:
