@@ -15,7 +15,9 @@ the terminal summary.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,24 @@ from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet, ensure_en
 
 TIMINGS: dict[str, float] = {}
 """Seconds taken by each setup step, printed at the end of the session."""
+
+
+def running(fleet: Any, label: str | None, timings: dict[str, float]) -> Iterator[Any]:
+    """Start ``fleet`` (a failed start fails the test, never skips it), yield it, kill it afterwards.
+
+    Its start-up seconds go to ``timings[label]`` (None: not recorded).
+    """
+    start = time.monotonic()
+    try:
+        fleet.start()
+    except FleetError as e:
+        pytest.fail(f"engines did not start: {e}", pytrace=False)
+    if label is not None:
+        timings[label] = time.monotonic() - start
+    try:
+        yield fleet
+    finally:
+        fleet.close()
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,8 @@ import pytest
 from examples.router.app import engine_session
 from examples.router.serve import RunningRouter
 from examples.router.demo_vllm import reset_caches, router_config
-from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
+from examples.vllm_fleet.fleet import FleetEnv, VllmFleet
+from tests.real.conftest import running
 from scorer.load import fetch_load
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -67,14 +68,7 @@ def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> 
         log_dir=tmp_path_factory.mktemp("vllm-heal-logs"),
         buffer_steps=BUFFER_STEPS,
     )
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"engines did not start: {e}", pytrace=False)
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+    yield from running(fleet, None, {})
 
 
 @dataclass

@@ -10,14 +10,14 @@ policies above the ones that do not, and ours no lower than the peers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from bench.real_ordering import Shape, run_all, table
 from bench.sim.dynamo_peer import available as dynamo_available
-from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
+from examples.vllm_fleet.fleet import FleetEnv, VllmFleet
+from tests.real.conftest import running
 
 pytestmark = pytest.mark.vllm
 
@@ -27,16 +27,7 @@ def small_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vl
     fleet = VllmFleet(2, venv=vllm_env.venv, model_dir=vllm_env.model_dir,
                       log_dir=tmp_path_factory.mktemp("vllm-logs-ordering"),
                       extra_args=["--num-gpu-blocks-override", str(Shape().gpu_blocks)])
-    start = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"engines did not start: {e}", pytrace=False)
-    vllm_timings["2 small-cache engines start-up"] = time.monotonic() - start
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+    yield from running(fleet, "2 small-cache engines start-up", vllm_timings)
 
 
 def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytest.CaptureFixture[str]) -> None:

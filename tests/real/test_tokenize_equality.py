@@ -26,6 +26,7 @@ import pytest
 
 from examples.vllm_fleet.fleet import Engine, FleetEnv, FleetError, VllmFleet
 from tests.tokenize_corpus import corpus
+from tests.real.conftest import running
 
 import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
@@ -46,14 +47,7 @@ def template_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory)
         log_dir=tmp_path_factory.mktemp("vllm-logs-tokenize"),
         engine_args=[["--chat-template", str(TEMPLATES / STYLES[i])] for i in range(2)],
     )
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"engines did not start: {e}", pytrace=False)
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+    yield from running(fleet, None, {})
 
 
 def _tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any]:

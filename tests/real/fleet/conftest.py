@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from examples.vllm_fleet.fleet import FleetEnv, FleetError, VllmFleet
+from examples.vllm_fleet.fleet import FleetEnv, VllmFleet
+from tests.real.conftest import running
 
 
 HERE = Path(__file__).resolve().parent
@@ -41,16 +42,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[VllmFleet]:
     """Two running engines (sha256_cbor, block size 32); torn down after the package."""
     fleet = VllmFleet(2, venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("vllm-logs"))
-    start = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"engines did not start: {e}", pytrace=False)
-    vllm_timings["2 engines start-up (concurrent)"] = time.monotonic() - start
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+    yield from running(fleet, "2 engines start-up (concurrent)", vllm_timings)
 
 
 @pytest.fixture(scope="module")

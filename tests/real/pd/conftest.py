@@ -8,13 +8,16 @@ Both engines spin a core each (NIXL): nothing else runs beside them.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from examples.vllm_fleet.fleet import FleetEnv, FleetError
+from examples.vllm_fleet.fleet import FleetEnv
 from examples.vllm_fleet.pd import PDFleet
+from tests.real.conftest import running
 
 
 #: s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left). Turn 1 and the wait for
@@ -29,13 +32,14 @@ def pd_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_
     fleet = PDFleet(
         venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("pd-logs"), blocks_ttl=D_TTL
     )
+    yield from running(fleet, "P/D engines start-up (NixlConnector)", vllm_timings)
+
+
+def timed_scenario(
+    scenario: Callable[[PDFleet], Awaitable[dict[str, Any]]], fleet: PDFleet, label: str, timings: dict[str, float]
+) -> dict[str, Any]:
+    """Run a module's P/D scenario once; its seconds go to ``timings[label]``."""
     t0 = time.monotonic()
-    try:
-        fleet.start()
-    except FleetError as e:
-        pytest.fail(f"P/D engines did not start: {e}", pytrace=False)
-    vllm_timings["P/D engines start-up (NixlConnector)"] = time.monotonic() - t0
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+    result = asyncio.run(scenario(fleet))
+    timings[label] = time.monotonic() - t0
+    return result

@@ -41,7 +41,7 @@ from examples.router.serve import RunningRouter
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.vllm_fleet.fleet import free_port
 from examples.vllm_fleet.pd import PDFleet
-from tests.real.pd.conftest import D_TTL
+from tests.real.pd.conftest import D_TTL, timed_scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
@@ -217,10 +217,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def outcome(pd_fleet: PDFleet, vllm_timings: dict[str, float]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    result = asyncio.run(scenario(pd_fleet))
-    vllm_timings["P/D scenario (9 conversations)"] = time.monotonic() - t0
-    return result
+    return timed_scenario(scenario, pd_fleet, "P/D scenario (9 conversations)", vllm_timings)
 
 
 def test_a_turn2_pulls_and_prediction_matches_engine(

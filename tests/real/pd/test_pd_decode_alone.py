@@ -32,6 +32,7 @@ from examples.router.app import engine_session
 from examples.router.demo_pd import Turn, pd_router_config, run_turn
 from examples.router.serve import RunningRouter
 from examples.vllm_fleet.pd import PDFleet
+from tests.real.pd.conftest import timed_scenario
 from tests.real.pd.test_pd import TOLERANCE, ids, max_diff, reference_top
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
@@ -87,10 +88,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def outcome(pd_fleet: PDFleet, vllm_timings: dict[str, float]) -> dict[str, Any]:
-    t0 = time.monotonic()
-    result = asyncio.run(scenario(pd_fleet))
-    vllm_timings["P/D decode-alone scenario (3 conversations)"] = time.monotonic() - t0
-    return result
+    return timed_scenario(scenario, pd_fleet, "P/D decode-alone scenario (3 conversations)", vllm_timings)
 
 
 def ttft_ms(row: dict[str, Any]) -> float:
