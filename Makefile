@@ -37,9 +37,8 @@ $(BENCH): $(TEST)
 	$(PY) -m pip install -q 'kvindex[bench]'
 	touch $@
 
-# two workers: the real-engine tests in order on one, every other module beside them
 test: $(TEST)
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15
 
 test-fast: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vllm"

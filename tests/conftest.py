@@ -56,15 +56,3 @@ def redis_url(redis_server) -> str:
         client.close()
     return redis_server.url
 
-
-# -- two workers (pytest-xdist, ``make test``): engines on one, the rest beside them
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """Group tests for ``--dist loadgroup`` (as each is collected: before any plugin reorders or reads
-    them): every real-engine test in one group (one worker runs them in order, one fleet at a time:
-    NIXL engines each spin a core), every other module in its own group (its module fixtures are
-    set up once)."""
-    if item.get_closest_marker("xdist_group") is None:
-        group = "engines" if item.get_closest_marker("vllm") is not None else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
