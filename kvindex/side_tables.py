@@ -51,6 +51,10 @@ def checked_store(
     return extras, lora_name
 
 
+#: index class -> whether it is :class:`~kvindex.contract.GroupAware` (its methods take groups)
+_GROUPED: dict[type, bool] = {}
+
+
 def apply_each(
     index, pod: str, dp_rank: int, events, model: str | None, kinds: tuple[type, type, type], start: int = 0,
     result: ApplyResult | None = None,
@@ -66,7 +70,9 @@ def apply_each(
     :class:`~kvindex.contract.GroupAware` index only.
     """
     stored_t, removed_t, cleared_t = kinds
-    grouped = isinstance(index, GroupAware)
+    grouped = _GROUPED.get(type(index))
+    if grouped is None:  # a runtime Protocol check costs microseconds: once per class
+        grouped = _GROUPED[type(index)] = isinstance(index, GroupAware)
     r = result if result is not None else ApplyResult()
     for i in range(start, len(events)):
         ev = events[i]

@@ -55,4 +55,3 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
-

@@ -68,7 +68,7 @@ def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> 
         log_dir=tmp_path_factory.mktemp("vllm-heal-logs"),
         buffer_steps=BUFFER_STEPS,
     )
-    yield from running(fleet, None, {})
+    yield from running(fleet)
 
 
 @dataclass

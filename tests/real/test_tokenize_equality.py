@@ -47,7 +47,7 @@ def template_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory)
         log_dir=tmp_path_factory.mktemp("vllm-logs-tokenize"),
         engine_args=[["--chat-template", str(TEMPLATES / STYLES[i])] for i in range(2)],
     )
-    yield from running(fleet, None, {})
+    yield from running(fleet)
 
 
 def _tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
