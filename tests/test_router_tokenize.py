@@ -11,6 +11,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
@@ -64,6 +66,52 @@ def test_an_answer_with_cached_tokens_is_reported_as_truth(model_dir: Path) -> N
     router.report_truth(d, b"not json")
     t = router.indexer.prediction_truth()["pod-0"]
     assert (t.requests, t.predicted, t.confirmed, t.over) == (1, 96, 64, 32)
+
+
+def _sse(*chunks: object) -> bytes:
+    return b"".join(b"data: " + msgspec.json.encode(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_a_streamed_answer_reports_its_usage_chunk() -> None:
+    from examples.router.answers import answer_cached_tokens
+
+    usage = {"choices": [], "usage": {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 64}}}
+    text = {"choices": [{"index": 0, "text": "usage"}]}  # the word in a text chunk is not a usage chunk
+    assert answer_cached_tokens(_sse(text, usage), streamed=True) == 64
+    assert answer_cached_tokens(_sse(text, {"choices": [], "usage": {"prompt_tokens": 90}}), streamed=True) is None
+    assert answer_cached_tokens(_sse(text), streamed=True) is None
+    assert answer_cached_tokens(b'data: {"usage": ', streamed=True) is None  # cut: not reported
+    details = {"usage": {"prompt_tokens_details": {"cached_tokens": -1}}}
+    assert answer_cached_tokens(msgspec.json.encode(details), streamed=False) is None
+
+
+@given(st.binary(max_size=300), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_answer_parsing_never_raises_on_garbage(raw: bytes, streamed: bool) -> None:
+    from examples.router.answers import answer_cached_tokens
+
+    got = answer_cached_tokens(raw, streamed)
+    assert got is None or (type(got) is int and got >= 0)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["usage", "prompt_tokens_details", "cached_tokens", "x"]), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(st.lists(_json, max_size=4), st.one_of(st.none(), st.integers(-5, 10**6)))
+@settings(max_examples=200, deadline=None)
+def test_the_last_usage_chunk_of_a_stream_is_read(noise: list[object], cached: int | None) -> None:
+    """Arbitrary chunks, then (maybe) a usage chunk: its value when valid, else None."""
+    from examples.router.answers import answer_cached_tokens
+
+    chunks = [c for c in noise if not (isinstance(c, dict) and "usage" in c)]
+    if cached is not None:
+        chunks.append({"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": cached}}})
+    want = cached if cached is not None and cached >= 0 else None
+    assert answer_cached_tokens(_sse(*chunks), streamed=True) == want
 
 
 def test_token_id_prompts_are_used_as_given(model_dir: Path) -> None:

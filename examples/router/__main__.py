@@ -87,6 +87,11 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
         "requests it cannot reproduce exactly go to an engine's /tokenize",
     )
     p.add_argument("--chat-template", help="with --tokenizer-dir: the engines' --chat-template (file or text)")
+    p.add_argument(
+        "--no-auto-tokenizer", action="store_true",
+        help="without --tokenizer-dir, always ask an engine's /tokenize (default: tokenize locally from the "
+        "engines' model folder when it reproduces the engine's ids on start-up probes)",
+    )
     p.add_argument("--config", help="router configuration file (YAML or .json)")
     p.add_argument(
         "--redis-url", metavar="redis://HOST:PORT/DB",
@@ -111,6 +116,8 @@ def build_config(argv: list[str] | None = None) -> RouterConfig:
         data["engines"] = [msgspec.to_builtins(e) for e in engines]
         if args.tokenizer_dir:
             data["tokenizer"] = {**(data.get("tokenizer") or {}), "model_dir": args.tokenizer_dir}
+        if args.no_auto_tokenizer:
+            data["auto_tokenizer"] = False
         if args.chat_template:
             if not data.get("tokenizer"):
                 raise ValueError("--chat-template needs --tokenizer-dir (or tokenizer in the config)")

@@ -86,6 +86,8 @@ from kvevents.subscriber import EngineEndpoint
 
 if TYPE_CHECKING:
     from kvindex.tokenize import RequestTokenizer
+from examples.router.answers import answer_cached_tokens, relay_stream
+from examples.router.engine_tokenizer import adopt_engine_tokenizer, engine_model_root
 from scorer.load import fetch_load
 from scorer.prefix import predicted_cached_tokens, reads_prefix_cache
 
@@ -243,7 +245,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heal_quiet_requests, heal_max_requests: the policy's ``quiet_requests``
         and ``max_requests``.
     tokenizer: tokenize requests in the router (:class:`TokenizerSpec`);
-        None: ask an engine's ``/tokenize`` for every request.
+        None: see ``auto_tokenizer``.
+    auto_tokenizer: with no ``tokenizer``, tokenize in the router from the
+        engines' own model folder when it reproduces the engine's ids on
+        start-up probes (:mod:`examples.router.engine_tokenizer`); otherwise,
+        and when off, ask an engine's ``/tokenize`` for every request.
     """
 
     engines: list[EngineSpec] = msgspec.field(default_factory=list)
@@ -268,6 +274,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heal_quiet_requests: int = 8
     heal_max_requests: int = 256
     tokenizer: TokenizerSpec | None = None
+    auto_tokenizer: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -339,21 +346,6 @@ def parse_engine_arg(text: str) -> EngineSpec:
         endpoint=zmq_parts[0],
         replay_endpoint=zmq_parts[1] if len(zmq_parts) == 2 else None,
     )
-
-
-async def relay_stream(up: aiohttp.ClientResponse, resp: web.StreamResponse) -> bool:
-    """Copy an engine's streamed answer to the client as it arrives (``resp`` already prepared).
-
-    Returns False when the client went away: the caller then leaves the upstream
-    response's context, which closes it, and the engine aborts the request.
-    """
-    try:
-        async for chunk in up.content.iter_any():
-            await resp.write(chunk)
-        await resp.write_eof()
-    except ConnectionResetError:
-        return False
-    return True
 
 
 def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
@@ -494,6 +486,8 @@ class Router:
         self._ties = itertools.count()
         self._tokenize_rr = itertools.cycle(list(self.engines))
         self.tokenizer: RequestTokenizer | None = config.tokenizer.build() if config.tokenizer else None
+        #: where request token ids come from: the configured tokenizer, the engines' folder, or /tokenize and why
+        self.tokenizer_source = "configured" if self.tokenizer is not None else "engine /tokenize"
         self._session: aiohttp.ClientSession | None = None
         self._refresh_task: asyncio.Task[None] | None = None
         self._warned_pods: set[str] = set()
@@ -596,6 +590,8 @@ class Router:
             await asyncio.to_thread(self.indexer.start)  # returns once subscribed (bounded)
             await asyncio.to_thread(self.indexer.flush, 10.0)
             await self.refresh_loads()
+            if self.tokenizer is None and self.config.auto_tokenizer:
+                await self._adopt_engine_tokenizer()
         except BaseException:
             await self.close()
             raise
@@ -635,6 +631,19 @@ class Router:
         dq = queries - last[1] if queries >= last[1] else queries
         self.m_engine_cached.labels(pod).inc(dh)
         self.m_engine_queried.labels(pod).inc(dq)
+
+    async def _adopt_engine_tokenizer(self) -> None:
+        """Tokenize locally from the engines' model folder if it passes the start-up probes."""
+        assert self._session is not None
+        spec = self.engines[self.candidates()[0]]
+        root = await engine_model_root(self._session, spec.url)
+        tokenizer, why = await adopt_engine_tokenizer(root, self.engine_token_ids)
+        if tokenizer is None:
+            self.tokenizer_source = f"engine /tokenize ({why})"
+            log.warning("router: requests are tokenized by the engines' /tokenize: %s", why)
+            return
+        self.tokenizer, self.tokenizer_source = tokenizer, why
+        log.info("router: requests are tokenized locally from the %s", why)
 
     async def _discover_model(self) -> str:
         assert self._session is not None
@@ -729,6 +738,15 @@ class Router:
                 return local.token_ids, "local"
             self.m_local_tokenize.labels("fallback").inc()
             log.debug("router: local tokenization not exact (%s): asking /tokenize", local.reason)
+        return await self._engine_or_given_ids(path, body)
+
+    async def engine_token_ids(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
+        """The ids an engine's ``/tokenize`` gives for a request body (None when none answered)."""
+        ids, source = await self._engine_or_given_ids(path, body)
+        return ids if source == "tokenize" else None
+
+    async def _engine_or_given_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+        """``prompt_token_ids`` without the local tokenizer: ids given, or an engine's ``/tokenize``."""
         if path.endswith("/chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list):
@@ -935,8 +953,11 @@ class Router:
                     return web.Response(status=up.status, body=body, headers=out_headers)
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 await resp.prepare(request)
-                if not await relay_stream(up, resp):
+                tail = bytearray()
+                if not await relay_stream(up, resp, tail):
                     log.debug("router: client of decision %s disconnected", decision.id)
+                elif up.status == 200:
+                    self.report_truth(decision, bytes(tail), streamed=True)
                 return resp
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("router: engine %s failed: %r", decision.pod, e)
@@ -945,20 +966,13 @@ class Router:
                 status=502, body=msgspec.json.encode(err), content_type="application/json", headers=extra
             )
 
-    def report_truth(self, decision: Decision, answer: bytes) -> None:
+    def report_truth(self, decision: Decision, answer: bytes, streamed: bool = False) -> None:
         """Hand the engine's cached tokens for a routed request to the indexer (``Indexer.report_cached``).
 
-        Read from a JSON answer's ``usage.prompt_tokens_details.cached_tokens``
-        (vLLM with ``--enable-prompt-tokens-details``); answers without it are skipped.
+        Read with :func:`answer_cached_tokens`; answers that do not say are skipped.
         """
-        if self.indexer is None:
-            return
-        try:
-            usage = msgspec.json.decode(answer).get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        except (msgspec.DecodeError, AttributeError):
-            return
-        if type(cached) is int and cached >= 0:
+        cached = answer_cached_tokens(answer, streamed)
+        if self.indexer is not None and cached is not None:
             self.indexer.report_cached(decision.pod, decision.predicted_cached_tokens, cached)
 
     async def handle_models(self, request: web.Request) -> web.Response:
@@ -978,7 +992,8 @@ class Router:
     async def handle_health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 when at least one engine is up, else 503; JSON per pod."""
         up = any(self.healthy.values())
-        body = {"status": "ok" if up else "no engine up", "model": self.model, "engines": self.healthy}
+        body = {"status": "ok" if up else "no engine up", "model": self.model, "engines": self.healthy,
+                "tokenizer": self.tokenizer_source}
         return web.Response(
             status=200 if up else 503, body=msgspec.json.encode(body), content_type="application/json"
         )

@@ -72,7 +72,8 @@ from prometheus_client import Counter
 from connector.params import RejectCounter, params_from_json_body
 from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
-from examples.router.app import HOP_BY_HOP, Router, RouterConfig, relay_stream
+from examples.router.answers import relay_stream
+from examples.router.app import HOP_BY_HOP, Router, RouterConfig
 from kvindex.facade import Indexer
 from scorer.prefix import reads_prefix_cache
 

@@ -1,7 +1,8 @@
 """The fleet this package's modules share, started once (one start-up instead of one per module).
 
 ``vllm_fleet`` (package): two engines with sha256_cbor block hashes, block size
-32, KV events on loopback ZMQ ports; killed after the package's last test,
+32, KV events on loopback ZMQ ports, answers carrying
+``usage.prompt_tokens_details``; killed after the package's last test,
 also when a test fails.  The modules run in the order of ``ORDER``:
 test_live_index's last test restarts pod-1 on sha256, which test_engine_smoke
 then reads as it is (it restarts pod-1 itself only when run alone); the
@@ -41,7 +42,10 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 @pytest.fixture(scope="package")
 def vllm_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory, vllm_timings: dict[str, float]) -> Iterator[VllmFleet]:
     """Two running engines (sha256_cbor, block size 32); torn down after the package."""
-    fleet = VllmFleet(2, venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("vllm-logs"))
+    fleet = VllmFleet(
+        2, venv=vllm_env.venv, model_dir=vllm_env.model_dir, log_dir=tmp_path_factory.mktemp("vllm-logs"),
+        extra_args=["--enable-prompt-tokens-details"],  # answers say their cached tokens (the router's truth)
+    )
     yield from running(fleet, "2 engines start-up (concurrent)", vllm_timings)
 
 

@@ -52,6 +52,7 @@ from examples.router.demo_vllm import (
     summarize,
 )
 from examples.vllm_fleet.fleet import VllmFleet, free_port
+from kvindex.truth import PodTruth
 from scorer.prefix import predicted_cached_tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -81,6 +82,8 @@ class Outcome:
     #: one prompt sent three times through the kvindex router: label -> (predicted header,
     #: the chosen engine's prefix-cache hits and queries during the request, decision's reads_cache)
     prompt_logprobs: dict[str, tuple[int, int, int, bool]]
+    #: the router's library truth (Indexer.prediction_truth) right after the workload
+    truth: dict[str, PodTruth]
 
 
 async def _prompt_logprobs_probe(rr: RunningRouter, session: aiohttp.ClientSession, fleet: VllmFleet) -> dict[str, tuple[int, int, int, bool]]:
@@ -121,6 +124,8 @@ async def _scenario(fleet: VllmFleet) -> Outcome:
         async with RunningRouter(router_config(fleet, "kvindex")) as rr:
             records = await replay_workload(rr, fleet.engines)
             seconds = time.monotonic() - start
+            assert rr.router.indexer is not None
+            truth = rr.router.indexer.prediction_truth()
             _, metrics = await _get(session, rr.url + "/metrics")
             health_status, health = await _get(session, rr.url + "/health")
             _, decisions = await _get(session, rr.url + "/decisions?limit=1000")
@@ -167,6 +172,7 @@ async def _scenario(fleet: VllmFleet) -> Outcome:
         seconds=seconds,
         rr_seconds=rr_seconds,
         prompt_logprobs=plp,
+        truth=truth,
     )
 
 
@@ -230,6 +236,34 @@ def test_predictions_match_engine_hits(outcome: Outcome, capsys: pytest.CaptureF
     # A prompt of full blocks that is entirely cached: the engine recomputes its last block.
     capped = [r for r in outcome.records if r.scored_tokens % BLOCK == 0 and r.predicted == r.scored_tokens - BLOCK]
     assert all(r.actual == r.predicted for r in capped)
+
+
+def test_library_truth_agrees_with_the_engines_counters(outcome: Outcome, capsys: pytest.CaptureFixture[str]) -> None:
+    """The library's live truth (answers' cached tokens) equals each engine's hit counter, per pod.
+
+    Every answer of the workload says its cached tokens (JSON usage, or the
+    usage chunk of a stream that asked for it); the router reports each
+    with its prediction. Per pod, the library's confirmed tokens are the
+    increase of ``vllm:prefix_cache_hits_total`` over the requests it
+    served, and its precision and recall meet the ground-truth targets.
+    """
+    records = outcome.records
+    truth = outcome.truth
+    with capsys.disabled():
+        for pod, t in truth.items():
+            print(f"\n[router] truth {pod}: {t.requests} requests, predicted {t.predicted}, confirmed {t.confirmed}, "
+                  f"precision {t.precision}, recall {t.recall}, healthy {t.healthy}")
+    assert set(truth) == {r.pod for r in records}
+    for pod, t in truth.items():
+        mine = [r for r in records if r.pod == pod]
+        assert t.requests == len(mine), (pod, t)
+        assert t.predicted == sum(r.predicted for r in mine), (pod, t)
+        assert t.confirmed == sum(r.actual for r in mine), (pod, t, _table(mine))
+        assert t.healthy
+    correct = sum(t.correct for t in truth.values())
+    assert correct > 0
+    assert correct / sum(t.predicted for t in truth.values()) >= 0.98
+    assert correct / sum(t.confirmed for t in truth.values()) >= 0.95
 
 
 def test_router_beats_round_robin(outcome: Outcome, capsys: pytest.CaptureFixture[str]) -> None:
@@ -337,21 +371,26 @@ def cli_router(vllm_fleet: VllmFleet) -> Iterator[tuple[str, subprocess.Popen[by
 
 
 def test_command_line_router(cli_router: tuple[str, subprocess.Popen[bytes]], vllm_fleet: VllmFleet) -> None:
-    """The command line starts a router that learns the model name and proxies a chat request."""
+    """The command line starts a router that learns the model name and its tokenizer, and proxies a chat request.
+
+    Given no tokenizer, it tokenizes locally from the engines' model folder
+    (``root`` of /v1/models) after the start-up probes agreed with the engine.
+    """
     url, proc = cli_router
 
-    async def go() -> tuple[int, dict[str, str], Any]:
+    async def go() -> tuple[int, dict[str, str], Any, Any, Any]:
         async with engine_session(aiohttp.ClientTimeout(total=60)) as session:
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 240  # start-up on a loaded machine: subscribe, replay, probes
             while True:
                 assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
                 try:
                     async with session.get(url + "/health") as resp:
                         if resp.status == 200:
+                            health = await resp.json()
                             break
                 except aiohttp.ClientError:
                     pass
-                assert time.monotonic() < deadline, "the router did not become healthy in 60 s"
+                assert time.monotonic() < deadline, "the router did not become healthy in 240 s"
                 await asyncio.sleep(0.2)
             body = {
                 "model": vllm_fleet.model_name,
@@ -359,10 +398,16 @@ def test_command_line_router(cli_router: tuple[str, subprocess.Popen[bytes]], vl
                 "max_tokens": 2,
             }
             async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                return resp.status, dict(resp.headers), await resp.json()
+                status, headers, answer = resp.status, dict(resp.headers), await resp.json()
+            async with session.get(url + "/decisions") as resp:
+                decisions = await resp.json()
+            return status, headers, answer, health, decisions
 
-    status, headers, answer = asyncio.run(go())
+    status, headers, answer, health, decisions = asyncio.run(go())
     assert status == 200, answer
     assert headers["x-kvindex-pod"] in {"pod-0", "pod-1"}
     assert int(headers["x-kvindex-prompt-tokens"]) == answer["usage"]["prompt_tokens"]
     assert answer["model"] == vllm_fleet.model_name
+    assert health["tokenizer"] == f"engine model folder {vllm_fleet.model_dir}", health
+    mine = [d for d in decisions if str(d["id"]) == headers["x-kvindex-decision"]]
+    assert [d["token_source"] for d in mine] == ["local"]
