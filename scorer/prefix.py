@@ -87,6 +87,10 @@ class PrefixScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             a request without a full block.
         best_tier: the heaviest tier among all tiers holding any matched block
             (None when nothing matched).  Per-block tiers are not kept.
+        hybrid: the match was cut to the engine's hybrid hit rule (several
+            KV-cache groups; :mod:`kvindex.hybrid_score`).
+        limited_by_group: with ``hybrid``, the KV-cache group that lowered the
+            hit (None: the prompt's length bounds it).
     """
 
     pod: str
@@ -95,6 +99,8 @@ class PrefixScore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     weighted_blocks: float = 0.0
     coverage: float = 0.0
     best_tier: str | None = None
+    hybrid: bool = False
+    limited_by_group: int | None = None
 
 
 def _check_pods_arg(name: str, pods: Collection[str] | None) -> None:

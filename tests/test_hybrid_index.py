@@ -22,6 +22,7 @@ from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvevents.wire import decode_vllm_batch
 from kvindex.contract import GroupAware
 from kvindex.hybrid import GroupSpec, predict_hit
+from kvindex import Config, Indexer
 from kvindex.keys import TokenProcessor
 from kvindex.reference import KVBlockIndex
 from kvindex.tiers import GPU, tier_bit
@@ -54,8 +55,13 @@ class HybridEngines(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         algo = "vllm_sha256_cbor" if self.compat else "xxh3_chain"
-        self.tp = TokenProcessor(BS, algorithm=algo)
-        self.index = KVBlockIndex(self.tp)
+        self.ix = Indexer(Config.from_dict({
+            "token_processor_config": {"block_size": BS, "algorithm": algo},
+            "kv_block_index_config": {"backend": "python"},
+        }))
+        self.tp = self.ix.token_processor
+        self.index = self.ix.index
+        assert isinstance(self.index, KVBlockIndex)
         self.paths = _paths(0)
         self.held: dict[str, dict[int, set[int]]] = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
 
@@ -160,6 +166,11 @@ class HybridEngines(RuleBasedStateMachine):
                 mine = predict_hit(specs, lambda g, end: bool(masks[g][end // BS - 1] & GPU_BIT), len(path))
                 truth = predict_hit(specs, lambda g, end: eks[end // BS - 1] in self.held[pod][g], len(path))
                 assert mine == truth
+                # what a router reads: score()'s predicted cached tokens per pod, and why
+                score = self.ix.score(list(path), [pod])
+                assert score.predicted_cached_tokens(pod) == truth.tokens, (pod, path, truth)
+                if len(specs) > 1 and self.index.prefix_match(keys, [pod]):  # hybrid so far, and matched
+                    assert score.prefix[pod].hybrid and score.prefix[pod].limited_by_group == truth.limited_by
 
 
 class CompatEngines(HybridEngines):

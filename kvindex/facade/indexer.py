@@ -34,8 +34,9 @@ from kvindex.facade.metrics import KVIndexMetrics
 from kvevents.misconfig import ConfigCheck
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
-from kvindex.contract import IndexStats, KVIndex, TokenMatch
+from kvindex.contract import GroupAware, IndexStats, KVIndex, TokenMatch
 from kvindex.factory import make_index
+from kvindex.hybrid_score import bound_matches
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TIERS, TierWeights
 from kvindex.truth import PodTruth, PredictionTruth
@@ -206,6 +207,7 @@ class Indexer:
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
         self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
+        self._grouped = isinstance(self.index, GroupAware)  # hybrid models: matches bounded by the hit rule
         self.truth = PredictionTruth()  # predicted vs engine-confirmed cached tokens (report_cached)
         self._truth_lock = threading.Lock()
         self.metrics = KVIndexMetrics(self, namespace=metrics_namespace)
@@ -447,7 +449,7 @@ class Indexer:
         if keys is None:
             keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora)
         else:
-            prefix = self._match(keys, candidates)
+            prefix = self._match(keys, candidates, len(tokens), mname)
         choice = self._choose(prefix, loads, candidates, len(tokens), keys, ranks)
         self.metrics.observe_score(
             time.perf_counter() - t0, prefix[choice.pod].coverage if choice is not None and len(keys) else None
@@ -482,12 +484,26 @@ class Indexer:
             return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
         return keys, self._prefix_from_summary(summary, len(keys), candidates), ranks
 
-    def _match(self, keys: np.ndarray, candidates: list[str]) -> dict[str, PrefixScore]:
-        """Every candidate's prefix score from the index's per-pod matches of ``keys``."""
+    def _match(
+        self, keys: np.ndarray, candidates: list[str], prompt_tokens: int, model: str | None
+    ) -> dict[str, PrefixScore]:
+        """Every candidate's prefix score from the index's per-pod matches of ``keys``.
+
+        An index keeping KV-cache groups has each hybrid pod's match cut to its
+        engine's hit (:func:`kvindex.hybrid_score.bound_matches`).
+        """
         matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
-        return prefix_scores_from_matches(
+        limited: dict[str, int | None] = {}
+        if self._grouped and matches:
+            matches, limited = bound_matches(
+                self.index, matches, keys, self.token_processor.block_size, prompt_tokens, model)
+        prefix = prefix_scores_from_matches(
             matches, len(keys), self.token_processor.block_size, candidates, self.tier_weights
         )
+        for pod, group in limited.items():
+            if pod in prefix:
+                prefix[pod] = msgspec.structs.replace(prefix[pod], hybrid=True, limited_by_group=group)
+        return prefix
 
     def _choose(
         self, prefix: dict[str, PrefixScore], loads: Mapping[str, LoadSnapshot], candidates: list[str],
