@@ -31,7 +31,11 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
         token_ids: the stored blocks' tokens, ``block_size`` per block
             (``len == block_size * len(block_hashes)``), or ``()`` for a
             token-less store (vLLM's CPU offloading connector publishes engine
-            hashes and a medium but no tokens).
+            hashes and a medium but no tokens).  A sliding-window or Mamba
+            group's store under vLLM's default sparse retention covers more
+            whole blocks than it names (``block_hashes`` skips the blocks the
+            group does not keep, without saying which: vLLM #44451); see
+            :attr:`sparse`.
         block_size: tokens per block (>= 1).
         tier: where the pod holds the blocks: ``"gpu"``, ``"cpu"``,
             ``"storage"`` or another lower-case name
@@ -70,6 +74,11 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     ownership: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """More tokens than named blocks: a sparse sliding-window / Mamba store (which chunk each hash is, unknown)."""
+        return len(self.token_ids) > self.block_size * len(self.block_hashes)
 
 
 class BlockRemoved(msgspec.Struct, frozen=True, gc=False):

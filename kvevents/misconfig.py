@@ -200,6 +200,7 @@ def _hashable(ev: BlockStored, bs: int) -> bool:
         ev.parent_block_hash is None
         and bool(ev.block_hashes)
         and len(ev.token_ids) >= bs
+        and not ev.sparse  # a sparse store's first hash need not be its first chunk's
         and ev.lora_name is None
         and not ev.lora_id
         and ev.cache_salt is None

@@ -46,7 +46,11 @@ from typing import Annotated, Any, Union
 import msgspec
 
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from kvindex.hybrid import MAMBA_KINDS, SLIDING_KINDS
 from kvindex.tiers import tier_from_medium
+
+#: KV-cache spec kinds whose stores may be sparse (vLLM's default retention keeps some of their blocks)
+SPARSE_KINDS = SLIDING_KINDS | MAMBA_KINDS
 
 __all__ = [
     "REPLAY_END_SEQ",
@@ -160,9 +164,13 @@ def _parent(h: int | bytes | None) -> int | None:
 # --------------------------------------------------------------------------
 
 
-def _check_tokens(hashes: tuple[int, ...], n_tokens: int, block_size: int) -> None:
+def _check_tokens(hashes: tuple[int, ...], n_tokens: int, block_size: int, kind: str | None = None) -> None:
+    """Token count = one block per hash; or, for a sliding-window / Mamba group (``kind``),
+    whole blocks of which the hashes name some (vLLM's sparse retention, #44451)."""
     if block_size < 1:
         raise PayloadError("block_size", f"block_size {block_size} < 1")
+    if kind in SPARSE_KINDS and n_tokens % block_size == 0 and n_tokens > block_size * len(hashes):
+        return
     if n_tokens and n_tokens != block_size * len(hashes):
         raise PayloadError(
             "token_ids",
@@ -270,7 +278,7 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
     toks = ev.token_ids
     bs = ev.block_size
     if bs < 1 or (toks and len(toks) != bs * len(hashes)):
-        _check_tokens(hashes, len(toks), bs)
+        _check_tokens(hashes, len(toks), bs, ev.kv_cache_spec_kind)
     parent = ev.parent_block_hash
     if parent is not None and (type(parent) is not int or parent < 0):
         parent = normalize_block_hash(parent)

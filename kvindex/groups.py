@@ -73,7 +73,7 @@ class GroupTables:
         self.specs: dict[Stream, dict[int, GroupSpec]] = {}
         self.primary: dict[Stream, int] = {}
         self.tables: dict[tuple[Stream, int], _Table] = {}
-        self.unmapped = 0  # own-hash mode: non-primary stores whose parent is unknown (dropped)
+        self.unmapped = 0  # own-hash mode: non-primary stores not mapped (parent unknown, or sparse)
 
     # -- write
 
@@ -184,10 +184,14 @@ class GroupsMixin:
             self._c["unknown_offloads"] += len(keys) - len(pairs)
         elif self._compat:  # request keys are the engine's hashes, at any multiple of the block size
             size = block_size if block_size is not None else self.block_size
-            if size % self.block_size or len(token_ids) != size * len(keys):
+            # a sparse store (more whole blocks of tokens than hashes, vLLM #44451) needs no token chunk here
+            if size % self.block_size or len(token_ids) % size or len(token_ids) < size * len(keys):
                 raise ValueError(f"{len(token_ids)} token ids for {len(keys)} blocks of {size} "
                                  f"(index block size {self.block_size})")
             pairs = [(ek, ek) for ek in keys]
+        elif len(token_ids) > self.block_size * len(keys) and not len(token_ids) % self.block_size:
+            tables.unmapped += len(keys)  # sparse: which token chunk each hash is, unknown (own-hash mode)
+            return 0
         else:
             extras, lora = checked_store(self.block_size, len(keys), token_ids, block_size, extra_keys, lora_name)
             prk = None

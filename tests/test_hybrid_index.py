@@ -92,21 +92,39 @@ class HybridEngines(RuleBasedStateMachine):
             return list(range(max(0, last - SWA_NEED), last))
         return [last - 1] if last else []
 
-    @rule(pod=st.sampled_from(PODS), p=st.integers(0, 5))
-    def serve(self, pod: str, p: int) -> None:
+    @rule(pod=st.sampled_from(PODS), p=st.integers(0, 5), sparse=st.booleans(), hit=st.integers(0, 8))
+    def serve(self, pod: str, p: int, sparse: bool, hit: int) -> None:
+        """A request: every group stores its new kept blocks.
+
+        Dense: one event per kept block. Sparse (vLLM's default retention,
+        #44451): a sliding-window or Mamba group publishes one event whose
+        tokens cover every full block after the request's hit (``hit``
+        blocks, at most what the full group holds) and whose hashes name only
+        the kept ones, without saying which chunk each is.
+        """
         path = self.paths[p]
         eks = self.eks(path)
+        n = len(path) // BS
+        start = 0
+        while start < min(hit, n) and eks[start] in self.held[pod][1]:
+            start += 1
         events = []
         for g in GROUPS:
             held = self.held[pod][g.group_idx]
-            for i in self.kept(g, len(path)):
-                if eks[i] in held:
-                    continue
-                held.add(eks[i])
-                events.append(stored_event(
-                    [eks[i]], eks[i - 1] if i else None, path[i * BS : (i + 1) * BS], BS,
-                    group_idx=g.group_idx, kv_cache_spec_kind=g.kind, kv_cache_spec_sliding_window=g.window,
-                ))
+            new = [i for i in self.kept(g, len(path)) if eks[i] not in held and (i >= start or not sparse)]
+            held.update(eks[i] for i in new)
+            fields = {"group_idx": g.group_idx, "kv_cache_spec_kind": g.kind, "kv_cache_spec_sliding_window": g.window}
+            if sparse and g.kind != "full_attention":
+                if start < n:
+                    events.append(stored_event(
+                        [eks[i] for i in new], eks[start - 1] if start else None, path[start * BS : n * BS], BS,
+                        **fields,
+                    ))
+                continue
+            events.extend(
+                stored_event([eks[i]], eks[i - 1] if i else None, path[i * BS : (i + 1) * BS], BS, **fields)
+                for i in new
+            )
         self.publish(pod, events)
 
     @rule(pod=st.sampled_from(PODS), g=st.sampled_from([0, 1, 2]), pick=st.integers(0, 10**6))
@@ -234,3 +252,33 @@ def test_plain_model_unchanged() -> None:
         batch = decode_vllm_batch(batch_payload([removed_event(eks[2:]) | extra]))
         ix.apply_events("a", 0, batch.events, kinds=KINDS)
         assert len(ix.prefix_match(keys)["a"]) == 2
+
+
+def test_sparse_stores_decode_and_are_kept_by_hash() -> None:
+    """vLLM's sparse retention (#44451): tokens over 3 blocks, one hash; taken in engine-hash mode only."""
+    path = tuple(range(1, 13))
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    eks = [int(k) for k in tp.request_keys(path)]
+    swa = stored_event([eks[2]], None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
+                       kv_cache_spec_sliding_window=8)
+    full = stored_event(eks, None, path, BS, group_idx=1, kv_cache_spec_kind="full_attention")
+    lone = stored_event([], None, path, BS, group_idx=2, kv_cache_spec_kind="mamba")  # no hash kept: no block
+    bad = stored_event([eks[2]], None, path, BS, group_idx=1, kv_cache_spec_kind="full_attention")
+    batch = decode_vllm_batch(batch_payload([swa, full, lone, bad]))
+    assert [e.sparse for e in batch.events] == [True, False, True]
+    assert len(batch.bad_events) == 1 and "token_ids" in batch.bad_events[0]  # full attention is always dense
+
+    compat = KVBlockIndex(tp)
+    assert not compat.apply_events("a", 0, batch.events, kinds=KINDS).errors
+    assert compat.group_match(eks, "a")[0] == [0, 0, GPU_BIT]
+    own = KVBlockIndex(TokenProcessor(BS))
+    assert not own.apply_events("a", 0, decode_vllm_batch(batch_payload(
+        [stored_event([engine_hash(path[:4 * (i + 1)]) for i in range(3)], None, path, BS, group_idx=1,
+                      kv_cache_spec_kind="full_attention"),
+         stored_event([engine_hash(path)], None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=8)])).events, kinds=KINDS).errors
+    assert own.stats().group_unmapped == 1 and own.stats().group_entries == 0  # which chunk: unknown
+
+    native = pytest.importorskip("kvindex.native")
+    r = native.NativeKVBlockIndex(tp).apply_events("a", 0, batch.events, kinds=KINDS)
+    assert len(r.errors) == 2 and all("keeps no groups" in e for e in r.errors)
