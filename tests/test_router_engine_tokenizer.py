@@ -4,7 +4,7 @@ The engine here is an aiohttp app serving ``GET /v1/models`` (``root``) and
 ``POST /tokenize``; its tokenization is the library's own from the same folder
 (an engine that agrees) or that with one id changed (an engine with another
 template). The agreement with real vLLM engines is checked in
-tests/real/test_tokenize_equality.py and tests/real/fleet/test_router.py.
+tests/real/hybrid/test_tokenize_equality.py and tests/real/fleet/test_router.py.
 """
 
 from __future__ import annotations

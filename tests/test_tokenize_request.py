@@ -1,6 +1,6 @@
 """kvindex.tokenize: what vLLM 0.32 hands the chat template, and when the library says it cannot.
 
-The ids themselves are held to real engines in tests/real/test_tokenize_equality.py;
+The ids themselves are held to real engines in tests/real/hybrid/test_tokenize_equality.py;
 here the preparation rules (vllm/renderers/chat_utils.py, hf.py, params.py) are
 checked on a local tokenizer, and every unsupported input gives exact=False.
 """

