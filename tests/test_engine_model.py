@@ -717,7 +717,7 @@ def test_index_converges_to_the_engines(index_factory: IndexFactory) -> None:
 
 def test_index_converges_through_replay_outages(index_factory: IndexFactory) -> None:
     machine = type("Machine", (OutageEngineMachine,), {"index_factory": staticmethod(index_factory)})
-    n = _examples(index_factory, 25, 5)
+    n = _examples(index_factory, 16, 5)
     run_state_machine_as_test(machine, settings=settings(max_examples=n, stateful_step_count=25, **COMMON))
 
 
