@@ -119,7 +119,9 @@ class IndexStats(msgspec.Struct, frozen=True):
     group_entries: (block, pod, DP rank) entries of KV-cache groups other
     than each publisher's primary one (hybrid models; :class:`GroupAware`
     backends only); group_unmapped: blocks of such groups' stores dropped
-    because their parent was unknown (own-hash mode).
+    because their parent was unknown or the store was sparse (own-hash mode);
+    group_trimmed: blocks of such groups' re-announce-shaped stores not
+    believed during a healing report window.
     """
 
     keys: int
@@ -143,6 +145,7 @@ class IndexStats(msgspec.Struct, frozen=True):
     dropped_writes: int = 0
     group_entries: int = 0
     group_unmapped: int = 0
+    group_trimmed: int = 0
 
 
 class _AllModels:
@@ -245,6 +248,10 @@ class GroupAware(Protocol):
     """
 
     def group_specs(self, pod: str, dp_rank: int = 0, *, model: str | None = None) -> dict[int, GroupSpec]: ...
+
+    def distrust_reports(
+        self, pod: str, dp_rank: int = 0, *, model: str | None = None, seconds: float = 30.0
+    ) -> None: ...
 
     def group_match(
         self, request_keys: Sequence[int], pod: str, dp_rank: int = 0, *, model: str | None = None

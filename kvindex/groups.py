@@ -12,15 +12,21 @@ block it drops.  Per publisher (pod, DP rank, model) the reference keeps:
   absent or 0) costs nothing more per block;
 - every other group's blocks in a table of its own (engine key -> request
   key and tier mask), so a removal or store of one group never touches
-  another group's entries.
+  another group's entries;
+- a report window (:meth:`GroupsMixin.distrust_reports`, set by the healing
+  policy while it asks for ``kv_cache_report_mode: "full"``): during it a
+  parent-nil store of a non-primary group, the shape of a re-announce, is
+  kept only for the blocks the group surely holds at its end
+  (:func:`kvindex.hybrid.held_at_hit_end`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvindex.hybrid import GroupSpec
+from kvindex.hybrid import GroupSpec, held_at_hit_end
 from kvindex.side_tables import checked_store
 
 __all__ = ["GroupTables", "GroupsMixin", "MAIN", "SIDE", "UNKNOWN"]
@@ -74,6 +80,8 @@ class GroupTables:
         self.primary: dict[Stream, int] = {}
         self.tables: dict[tuple[Stream, int], _Table] = {}
         self.unmapped = 0  # own-hash mode: non-primary stores not mapped (parent unknown, or sparse)
+        self.distrust: dict[Stream, float] = {}  # stream -> end (time.monotonic) of its report window
+        self.trimmed = 0  # blocks of re-announce-shaped stores not believed (report window)
 
     # -- write
 
@@ -128,6 +136,22 @@ class GroupTables:
             del self.specs[stream]
             self.primary.pop(stream, None)
         return n
+
+    def believed(self, stream: Stream, group: GroupSpec, parent: int | None, n: int) -> int:
+        """How many of a store's ``n`` blocks (its last ones) to keep: all, unless it may be a re-announce."""
+        if parent is not None or n == 0:
+            return n
+        until = self.distrust.get(stream)
+        if until is None:
+            return n
+        if time.monotonic() >= until:
+            del self.distrust[stream]
+            return n
+        keep = held_at_hit_end(group)
+        if keep is None or keep >= n:
+            return n
+        self.trimmed += n - keep
+        return keep
 
     # -- read
 
@@ -204,6 +228,9 @@ class GroupsMixin:
                     return 0
             rks = self.token_processor.chain(prk, token_ids, model=stream[2], lora=lora, block_extra_keys=extras)
             pairs = list(zip(keys, rks.tolist()))
+        keep = tables.believed(stream, group, parent, len(pairs))
+        if keep < len(pairs):
+            pairs = pairs[len(pairs) - keep:]
         self._c["stored_blocks"] += len(pairs)
         return tables.put(stream, g, pairs, bit)
 
@@ -217,6 +244,16 @@ class GroupsMixin:
                 self._c["unknown_removals"] += 1
         self._c["removed_blocks"] += removed
         return removed
+
+    def distrust_reports(self, pod: str, dp_rank: int = 0, *, model: str | None = None, seconds: float = 30.0) -> None:
+        """For ``seconds`` from now, believe a parent-nil store of the stream's non-primary groups
+        only for the blocks they surely hold at its end (module doc); 0 ends the window."""
+        stream = (pod, dp_rank, model)
+        with self._lock:
+            if seconds > 0:
+                self._groups.distrust[stream] = time.monotonic() + seconds
+            else:
+                self._groups.distrust.pop(stream, None)
 
     def group_specs(self, pod: str, dp_rank: int = 0, *, model: str | None = None) -> dict[int, GroupSpec]:
         """group_idx -> spec learned from the stores of publisher (pod, rank, model); {} before any grouped store."""

@@ -26,6 +26,7 @@ __all__ = [
     "MAMBA_KINDS",
     "SLIDING_KINDS",
     "GroupSpec",
+    "held_at_hit_end",
     "HitPrediction",
     "Presence",
     "predict_hit",
@@ -73,6 +74,25 @@ class GroupSpec(msgspec.Struct, frozen=True):
         if self.kind in MAMBA_KINDS:
             return "mamba"
         return "none"
+
+
+def held_at_hit_end(spec: GroupSpec) -> int | None:
+    """Blocks ending at a hit's end that a group surely holds after serving it (None: every block).
+
+    What a ``kv_cache_report_mode: "full"`` re-announce of blocks ``0 .. n-1``
+    can be believed for: full attention all of them; a sliding-window group
+    the trailing window (``ceil((window - 1) / block_size)``, one more with
+    EAGLE); a Mamba group the state block at the end; other kinds none (vLLM
+    0.32 reports every group's hashes although most of a sliding-window or
+    Mamba group's hit blocks are null: block_pool.py ``emit_cached_block_events``).
+    """
+    rule = spec.rule
+    if rule == "full":
+        return None
+    if rule == "sliding_window":
+        assert spec.window is not None
+        return -(-(spec.window - 1) // spec.block_size) + (1 if spec.eagle else 0)
+    return 1 if rule == "mamba" else 0
 
 
 def spec_from_store(

@@ -532,6 +532,7 @@ class KVBlockIndex(SideTables, GroupsMixin):
                 speculative=sum(len(h) for h in self._spec.values()),
                 group_entries=self._groups.entries(),
                 group_unmapped=self._groups.unmapped,
+                group_trimmed=self._groups.trimmed,
                 **self._c,
             )
 

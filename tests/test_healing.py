@@ -157,6 +157,19 @@ def test_a_failing_observer_is_counted_and_the_event_still_applies(make_rig: Cal
     assert rig.pool.stats().errors_by_kind.get("observer") == 1
 
 
+@pytest.mark.parametrize("window", [60.0, 0.0])
+def test_a_full_report_opens_the_index_report_window(make_rig: Callable[..., Rig], window: float) -> None:
+    """On a group-keeping index, each full-report request opens (or extends) its stream's report window."""
+    rig = make_rig("compat")
+    e, served = joined_late(rig)
+    heal = HealingPolicy(rig.pool, report_window=window)
+    assert send(rig, heal, e, served[0])
+    streams = set(rig.index._groups.distrust)
+    assert streams == ({(POD, 0, MODEL)} if window else set())
+    with pytest.raises(ValueError):
+        HealingPolicy(rig.pool, report_window=-1.0)
+
+
 def test_policy_bounds_are_checked(make_rig: Callable[..., Rig]) -> None:
     rig = make_rig("compat")
     with pytest.raises(ValueError):

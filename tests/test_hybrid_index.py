@@ -127,6 +127,23 @@ class HybridEngines(RuleBasedStateMachine):
             )
         self.publish(pod, events)
 
+    @rule(pod=st.sampled_from(PODS), p=st.integers(0, 5))
+    def full_report(self, pod: str, p: int) -> None:
+        """A healing request (``kv_cache_report_mode: "full"``): vLLM re-announces blocks ``0 .. hit-1``
+        for every group, though a sliding-window or Mamba group holds only those at the hit's end."""
+        path = self.paths[p]
+        eks = self.eks(path)
+        hit = predict_hit(list(GROUPS), lambda g, end: eks[end // BS - 1] in self.held[pod][g], len(path))
+        n = hit.tokens // BS
+        if not n:
+            return
+        self.index.distrust_reports(pod, 0, model=None, seconds=3600)  # what the healing policy opens
+        self.publish(pod, [
+            stored_event(eks[:n], None, path[: n * BS], BS, group_idx=g.group_idx, kv_cache_spec_kind=g.kind,
+                         kv_cache_spec_sliding_window=g.window)
+            for g in GROUPS
+        ])
+
     @rule(pod=st.sampled_from(PODS), g=st.sampled_from([0, 1, 2]), pick=st.integers(0, 10**6))
     def evict(self, pod: str, g: int, pick: int) -> None:
         held = sorted(self.held[pod][g])
@@ -195,7 +212,7 @@ class CompatEngines(HybridEngines):
     compat = True
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=25)
+SETTINGS = settings(max_examples=60, stateful_step_count=25)
 
 
 def test_own_hash_mode() -> None:
@@ -214,6 +231,18 @@ def test_ignoring_group_idx_on_removal_breaks_the_property(monkeypatch: pytest.M
         return original(self, pod, dp_rank, engine_keys, tier, model=model)
 
     monkeypatch.setattr(KVBlockIndex, "block_removed", merged)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            CompatEngines,
+            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate]),
+        )
+
+
+def test_believing_every_reannounced_block_breaks_the_property(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check: a re-announce taken whole (no report window) is caught."""
+    from kvindex.groups import GroupTables
+
+    monkeypatch.setattr(GroupTables, "believed", lambda self, stream, group, parent, n: n)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
             CompatEngines,

@@ -67,6 +67,7 @@ import msgspec
 
 from kvevents.events import BlockStored
 from kvevents.pool import EventPool, StreamState
+from kvindex.contract import GroupAware
 
 __all__ = ["HealingPolicy", "HealingState", "HealingStats", "FULL_REPORT_XARGS", "with_full_report"]
 
@@ -159,6 +160,11 @@ class HealingPolicy:
             discovery after which a stream is judged healed (>= 1).
         max_requests: full-report requests per episode after which the stream
             is judged healed anyway (>= quiet_requests).
+        report_window: seconds after a full-report request is sent or ends
+            during which a :class:`~kvindex.contract.GroupAware` index believes
+            a re-announce of a sliding-window or Mamba group only for the
+            blocks that group surely holds (hybrid models: vLLM reports every
+            group's hashes for a hit; see :mod:`kvindex.groups`).
 
     Thread-safe: the router's threads or event loop call the query and
     counting methods; the pool's shard threads call the observer.  Call
@@ -168,13 +174,19 @@ class HealingPolicy:
         ValueError: bounds out of range.
     """
 
-    def __init__(self, pool: EventPool, *, quiet_requests: int = 8, max_requests: int = 256) -> None:
+    def __init__(
+        self, pool: EventPool, *, quiet_requests: int = 8, max_requests: int = 256, report_window: float = 30.0
+    ) -> None:
         if quiet_requests < 1:
             raise ValueError(f"quiet_requests must be >= 1, got {quiet_requests}")
         if max_requests < quiet_requests:
             raise ValueError(f"max_requests must be >= quiet_requests ({quiet_requests}), got {max_requests}")
+        if not report_window >= 0:
+            raise ValueError(f"report_window must be >= 0, got {report_window}")
         self.pool = pool
         self.index = pool.index
+        self.report_window = report_window
+        self._grouped = isinstance(pool.index, GroupAware)
         self.quiet_requests = quiet_requests
         self.max_requests = max_requests
         self._lock = threading.Lock()
@@ -228,6 +240,7 @@ class HealingPolicy:
     def full_report_sent(self, pod: str, dp_rank: int | None = 0, model: str | None = None) -> None:
         """Count a request sent to ``pod`` with the full report (after :meth:`wants_full_report`)."""
         streams = self._streams(pod, dp_rank, model)
+        self._distrust(streams)
         with self._lock:
             self._c["sent"] += 1
             for s in streams:
@@ -243,6 +256,7 @@ class HealingPolicy:
         """Count a full-report request to ``pod`` as ended (its answer came back, so the
         engine has published its events); ``quiet_requests`` such ends in a row without a
         discovery heal the stream."""
+        self._distrust(self._streams(pod, dp_rank, model))
         with self._lock:
             self._c["done"] += 1
             for key, ep in self._episodes.items():
@@ -258,6 +272,12 @@ class HealingPolicy:
                 if ep.quiet >= self.quiet_requests:
                     ep.healing, ep.why = False, "quiet"
                     self._c["healed_quiet"] += 1
+
+    def _distrust(self, streams: list[StreamState]) -> None:
+        """Open (or extend) the streams' report window on a group-keeping index."""
+        if self._grouped and self.report_window > 0:
+            for s in streams:
+                self.index.distrust_reports(s.pod, s.dp_rank, model=s.model, seconds=self.report_window)  # type: ignore[attr-defined]
 
     # -- the write path's calls (shard threads)
 
