@@ -81,6 +81,7 @@ class GroupTables:
         self.tables: dict[tuple[Stream, int], _Table] = {}
         self.unmapped = 0  # own-hash mode: non-primary stores not mapped (parent unknown, or sparse)
         self.distrust: dict[Stream, float] = {}  # stream -> end (time.monotonic) of its report window
+        self.hybrid: dict[tuple[str, str | None], set[int]] = {}  # (pod, model) -> ranks with a hybrid stream
         self.trimmed = 0  # blocks of re-announce-shaped stores not believed (report window)
 
     # -- write
@@ -92,6 +93,8 @@ class GroupTables:
             specs = self.specs[stream] = {}
         if specs.get(spec.group_idx) != spec:
             specs[spec.group_idx] = spec
+            if len(specs) > 1 or spec.rule != "full":
+                self.hybrid.setdefault((stream[0], stream[2]), set()).add(stream[1])
         p = self.primary.get(stream)
         if p is None and spec.rule == "full":
             p = self.primary[stream] = spec.group_idx
@@ -135,6 +138,11 @@ class GroupTables:
         for stream in [s for s in self.specs if match(s)]:
             del self.specs[stream]
             self.primary.pop(stream, None)
+            ranks = self.hybrid.get((stream[0], stream[2]))
+            if ranks is not None:
+                ranks.discard(stream[1])
+                if not ranks:
+                    del self.hybrid[(stream[0], stream[2])]
         return n
 
     def believed(self, stream: Stream, group: GroupSpec, parent: int | None, n: int) -> int:
@@ -254,6 +262,15 @@ class GroupsMixin:
                 self._groups.distrust[stream] = time.monotonic() + seconds
             else:
                 self._groups.distrust.pop(stream, None)
+
+    def grouped_ranks(self, pod: str, *, model: str | None = None) -> list[int]:
+        """DP ranks of ``pod`` (under ``model``) whose stores named more than one group or a
+        non-full-attention one, sorted; [] for a plain model."""
+        ranks = self._groups.hybrid.get((pod, model))
+        if not ranks:
+            return []
+        with self._lock:
+            return sorted(ranks)
 
     def group_specs(self, pod: str, dp_rank: int = 0, *, model: str | None = None) -> dict[int, GroupSpec]:
         """group_idx -> spec learned from the stores of publisher (pod, rank, model); {} before any grouped store."""

@@ -40,7 +40,10 @@ def bound_matches(
     out = dict(matches)
     limited: dict[str, int | None] = {}
     for pod, masks in matches.items():
-        rank = index.best_dp_rank(pod, keys) or 0
+        ranks = index.grouped_ranks(pod, model=model)  # cheap: plain pods stop here
+        if not ranks:
+            continue
+        rank = ranks[0] if len(ranks) == 1 else (index.best_dp_rank(pod, keys) or 0)
         specs = index.group_specs(pod, rank, model=model)
         if not _is_hybrid(specs, block_size):
             continue
