@@ -33,6 +33,9 @@ __all__ = ["GroupTables", "GroupsMixin", "MAIN", "SIDE", "UNKNOWN"]
 
 Stream = tuple[str, int, "str | None"]  # (pod, DP rank, model): one publisher
 
+#: Non-primary stores held per publisher while their parent is unknown (own-hash mode).
+MAX_WAITING = 64
+
 #: Where a group's blocks live: the main tables, a group table, or nowhere known.
 MAIN, SIDE, UNKNOWN = "main", "side", "unknown"
 
@@ -82,6 +85,9 @@ class GroupTables:
         self.unmapped = 0  # own-hash mode: non-primary stores not mapped (parent unknown, or sparse)
         self.distrust: dict[Stream, float] = {}  # stream -> end (time.monotonic) of its report window
         self.hybrid: dict[tuple[str, str | None], set[int]] = {}  # (pod, model) -> ranks with a hybrid stream
+        #: own-hash mode: non-primary stores waiting for their parent (vLLM publishes group 0 first in a
+        #: step, so a sliding-window group 0's parent often arrives with the full-attention store after it)
+        self.waiting: dict[Stream, list[tuple[Any, ...]]] = {}
         self.trimmed = 0  # blocks of re-announce-shaped stores not believed (report window)
 
     # -- write
@@ -135,6 +141,8 @@ class GroupTables:
         n = 0
         for key in [k for k in self.tables if match(k[0])]:
             n += len(self.tables.pop(key).by_ek)
+        for stream in [s for s in self.waiting if match(s)]:
+            self.unmapped += sum(len(w[2]) for w in self.waiting.pop(stream))
         for stream in [s for s in self.specs if match(s)]:
             del self.specs[stream]
             self.primary.pop(stream, None)
@@ -228,11 +236,9 @@ class GroupsMixin:
             extras, lora = checked_store(self.block_size, len(keys), token_ids, block_size, extra_keys, lora_name)
             prk = None
             if parent is not None:
-                prk = tables.resolve(stream, g, parent)
+                prk = self._group_parent(stream, g, parent)
                 if prk is None:
-                    prk = self._resolve(stream[0], stream[1], parent, stream[2])
-                if prk is None:
-                    tables.unmapped += len(keys)
+                    self._wait(stream, (group, parent, keys, token_ids, bit, extras, lora, set()))
                     return 0
             rks = self.token_processor.chain(prk, token_ids, model=stream[2], lora=lora, block_extra_keys=extras)
             pairs = list(zip(keys, rks.tolist()))
@@ -242,11 +248,53 @@ class GroupsMixin:
         self._c["stored_blocks"] += len(pairs)
         return tables.put(stream, g, pairs, bit)
 
+    def _group_parent(self, stream: Stream, g: int, parent: int) -> int | None:
+        """The request key of a non-primary store's parent: in its group, else the main tables."""
+        prk = self._groups.resolve(stream, g, parent)
+        return prk if prk is not None else self._resolve(stream[0], stream[1], parent, stream[2])
+
+    def _wait(self, stream: Stream, item: tuple[Any, ...]) -> None:
+        """Hold a store whose parent is unknown; the oldest beyond :data:`MAX_WAITING` is dropped (unmapped)."""
+        waiting = self._groups.waiting.setdefault(stream, [])
+        waiting.append(item)
+        if len(waiting) > MAX_WAITING:
+            self._groups.unmapped += len(waiting.pop(0)[2])
+
+    def _release_waiting(self, stream: Stream) -> None:
+        """Map the stream's waiting stores whose parent is now known (after a primary store)."""
+        waiting = self._groups.waiting.pop(stream, None)
+        if not waiting:
+            return
+        progress = True
+        while waiting and progress:
+            progress = False
+            for item in list(waiting):
+                group, parent, keys, token_ids, bit, extras, lora, gone = item
+                prk = self._group_parent(stream, group.group_idx, parent)
+                if prk is None:
+                    continue
+                waiting.remove(item)
+                rks = self.token_processor.chain(prk, token_ids, model=stream[2], lora=lora, block_extra_keys=extras)
+                pairs = [(ek, rk) for ek, rk in zip(keys, rks.tolist()) if ek not in gone]
+                self._c["stored_blocks"] += len(pairs)
+                self._groups.put(stream, group.group_idx, pairs, bit)
+                progress = True
+        if waiting:
+            self._groups.waiting[stream] = waiting
+
     def _remove_in_group(self, stream: Stream, group_idx: int | None, engine_keys: Iterable[int], bit: int) -> int:
         """A BlockRemoved of a non-primary (or unknown) group: only that group's entries."""
         removed = 0
+        waiting = self._groups.waiting.get(stream, ())
         for ek in engine_keys:
-            if group_idx is not None and self._groups.drop(stream, group_idx, int(ek), bit):
+            ek = int(ek)
+            if group_idx is not None and self._groups.drop(stream, group_idx, ek, bit):
+                removed += 1
+                continue
+            held = [w for w in waiting if w[0].group_idx == group_idx and w[4] == bit and ek in w[2]]
+            for w in held:  # a waiting store's block is gone: never mapped later
+                w[7].add(ek)
+            if held:
                 removed += 1
             else:
                 self._c["unknown_removals"] += 1

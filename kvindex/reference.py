@@ -193,6 +193,8 @@ class KVBlockIndex(SideTables, GroupsMixin):
                     n = 0
                 else:
                     n = self._attach(item, parent_rk)
+                if self._groups.waiting:
+                    self._release_waiting((pod, dp_rank, model))
             if self._maybe_empty:
                 self._prune_streams()
             return n

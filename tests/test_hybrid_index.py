@@ -311,3 +311,24 @@ def test_sparse_stores_decode_and_are_kept_by_hash() -> None:
     native = pytest.importorskip("kvindex.native")
     r = native.NativeKVBlockIndex(tp).apply_events("a", 0, batch.events, kinds=KINDS)
     assert len(r.errors) == 2 and all("keeps no groups" in e for e in r.errors)
+
+
+def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known() -> None:
+    """vLLM publishes group 0 first: a sliding-window block whose parent the full group stores next waits for it;
+    a block removed while waiting is never claimed."""
+    path = tuple(range(1, 13))
+    eks = [engine_hash(path[: 4 * (i + 1)]) for i in range(3)]
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    full = {"group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    for removed in (False, True):
+        ix = KVBlockIndex(TokenProcessor(BS))
+        events = [stored_event(eks[1:], eks[0], path[4:], BS, **swa)]
+        if removed:
+            events.append(removed_event([eks[1]]) | {"group_idx": 0})
+        events.append(stored_event(eks, None, path, BS, **full))
+        r = ix.apply_events("a", 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS)
+        assert not r.errors
+        keys = ix.token_processor.request_keys(path)
+        want = [0, 0, GPU_BIT] if removed else [0, GPU_BIT, GPU_BIT]
+        assert ix.group_match(keys, "a")[0] == want
+        assert ix.stats().group_unmapped == 0
