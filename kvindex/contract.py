@@ -121,7 +121,8 @@ class IndexStats(msgspec.Struct, frozen=True):
     backends only); group_unmapped: blocks of such groups' stores dropped
     because their parent was unknown or the store was sparse (own-hash mode);
     group_trimmed: blocks of such groups' re-announce-shaped stores not
-    believed during a healing report window.
+    believed during a healing report window; group_evictions: such entries
+    forgotten (oldest first) beyond the index's capacity.
     """
 
     keys: int
@@ -146,6 +147,7 @@ class IndexStats(msgspec.Struct, frozen=True):
     group_entries: int = 0
     group_unmapped: int = 0
     group_trimmed: int = 0
+    group_evictions: int = 0
 
 
 class _AllModels:

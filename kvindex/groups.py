@@ -78,7 +78,10 @@ class _Table:
 class GroupTables:
     """Learned group specs, the primary group and the other groups' tables, per publisher."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1_000_000) -> None:
+        self.capacity = capacity  # entries over every non-primary table; the oldest go first beyond it
+        self.size = 0
+        self.evictions = 0
         self.specs: dict[Stream, dict[int, GroupSpec]] = {}
         self.primary: dict[Stream, int] = {}
         self.tables: dict[tuple[Stream, int], _Table] = {}
@@ -119,9 +122,26 @@ class GroupTables:
         table = self.tables.get((stream, group_idx))
         if table is None:
             table = self.tables[(stream, group_idx)] = _Table()
+        before = len(table.by_ek)
         for ek, rk in pairs:
             table.put(ek, rk, bit)
+        self.size += len(table.by_ek) - before
+        if self.size > self.capacity:
+            self._evict((stream, group_idx))
         return len(pairs)
+
+    def _evict(self, first: tuple[Stream, int]) -> None:
+        """Forget the oldest entries (the written table's first) until the tables fit the capacity."""
+        for key in [first, *(k for k in self.tables if k != first)]:
+            table = self.tables.get(key)
+            while table is not None and table.by_ek and self.size > self.capacity:
+                table.drop(next(iter(table.by_ek)), -1)
+                self.size -= 1
+                self.evictions += 1
+            if table is not None and not table.by_ek:
+                del self.tables[key]
+            if self.size <= self.capacity:
+                return
 
     def resolve(self, stream: Stream, group_idx: int, ek: int) -> int | None:
         table = self.tables.get((stream, group_idx))
@@ -130,8 +150,10 @@ class GroupTables:
 
     def drop(self, stream: Stream, group_idx: int, ek: int, bit: int) -> bool:
         table = self.tables.get((stream, group_idx))
+        before = len(table.by_ek) if table is not None else 0
         if table is None or not table.drop(ek, bit):
             return False
+        self.size -= before - len(table.by_ek)
         if not table.by_ek:
             del self.tables[(stream, group_idx)]
         return True
@@ -141,6 +163,7 @@ class GroupTables:
         n = 0
         for key in [k for k in self.tables if match(k[0])]:
             n += len(self.tables.pop(key).by_ek)
+        self.size -= n
         for stream in [s for s in self.waiting if match(s)]:
             self.unmapped += sum(len(w[2]) for w in self.waiting.pop(stream))
         for stream in [s for s in self.specs if match(s)]:

@@ -118,7 +118,7 @@ class KVBlockIndex(SideTables, GroupsMixin):
         self._models: set[str | None] = set()  # models named by stored events (key scopes)
         self._maybe_empty: set[_Stream] = set()  # stream maps that may have emptied
         self._init_side_tables()  # orphans, speculative and held entries
-        self._groups = GroupTables()  # KV-cache groups other than the primary one (hybrid models)
+        self._groups = GroupTables(capacity)  # KV-cache groups other than the primary one (hybrid models)
         self._c = dict.fromkeys((
             "evictions", "stored_blocks", "removed_blocks", "unknown_removals", "unknown_offloads", "orphans",
             "orphans_attached", "orphans_dropped", "speculative_confirmed", "speculative_expired", "clears",
@@ -535,6 +535,7 @@ class KVBlockIndex(SideTables, GroupsMixin):
                 group_entries=self._groups.entries(),
                 group_unmapped=self._groups.unmapped,
                 group_trimmed=self._groups.trimmed,
+                group_evictions=self._groups.evictions,
                 **self._c,
             )
 

@@ -187,6 +187,10 @@ class HybridEngines(RuleBasedStateMachine):
                     assert claims[g] == self.held[pod][g] & universe, (pod, g)
 
     @invariant()
+    def counts_its_group_entries(self) -> None:
+        assert self.index._groups.size == self.index._groups.entries() == self.index.stats().group_entries
+
+    @invariant()
     def predicts_what_the_engine_would_serve(self) -> None:
         if not self.compat:
             return
@@ -332,3 +336,17 @@ def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known() -> None:
         want = [0, 0, GPU_BIT] if removed else [0, GPU_BIT, GPU_BIT]
         assert ix.group_match(keys, "a")[0] == want
         assert ix.stats().group_unmapped == 0
+
+
+def test_group_tables_are_bounded_by_the_capacity() -> None:
+    """Beyond the index's capacity the oldest non-primary entries are forgotten (never a false claim)."""
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    ix = KVBlockIndex(tp, capacity=4)
+    path = tuple(range(1, 25))
+    eks = [int(k) for k in tp.request_keys(path)]
+    ev = stored_event(eks, None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=8)
+    assert not ix.apply_events("a", 0, decode_vllm_batch(batch_payload([ev])).events, kinds=KINDS).errors
+    st_ = ix.stats()
+    assert (st_.group_entries, st_.group_evictions) == (4, 2)
+    assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
