@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvevents.events import BlockStored
+from kvindex.hybrid import FULL_KINDS
 from kvindex.keys import TokenProcessor
 
-__all__ = ["BLOCK_SIZE", "HASH_ALGORITHM", "MODEL_NAME", "REASONS", "Misconfig", "ConfigCheck", "StreamCheck"]
+__all__ = ["BLOCK_SIZE", "HASH_ALGORITHM", "KV_CACHE_GROUPS", "MODEL_NAME", "REASONS", "Misconfig", "ConfigCheck", "StreamCheck"]
 
 log = logging.getLogger("kvevents.misconfig")
 
@@ -34,7 +35,9 @@ HASH_ALGORITHM = "hash_algorithm"
 """Engine-hash mode: the engine's block hashes are not what our algorithm computes for its tokens."""
 MODEL_NAME = "model_name"
 """The stream's model (from its topic) is not the model the indexer scores for."""
-REASONS = (BLOCK_SIZE, HASH_ALGORITHM, MODEL_NAME)
+KV_CACHE_GROUPS = "kv_cache_groups"
+"""The engine publishes sliding-window / Mamba KV-cache groups (a hybrid model) to a backend that keeps none."""
+REASONS = (BLOCK_SIZE, HASH_ALGORITHM, MODEL_NAME, KV_CACHE_GROUPS)
 
 _COMPAT_ALGOS = {"vllm_sha256_cbor": "sha256_cbor", "vllm_sha256": "sha256"}
 
@@ -55,11 +58,18 @@ class ConfigCheck:
         model_name: the model scores use by default (``Config.model_name``);
             None: no model is expected.  An engine entry that names its own
             model (``EngineEndpoint.model``) is expected to publish that one.
+        keeps_groups: the index keeps KV-cache groups
+            (:class:`kvindex.contract.GroupAware`); when False, a store of a
+            sliding-window or Mamba group names the stream misconfigured
+            (:data:`KV_CACHE_GROUPS`).
     """
 
-    def __init__(self, token_processor: TokenProcessor | None, model_name: str | None = None) -> None:
+    def __init__(
+        self, token_processor: TokenProcessor | None, model_name: str | None = None, *, keeps_groups: bool = True
+    ) -> None:
         self.token_processor = token_processor
         self.model_name = model_name
+        self.keeps_groups = keeps_groups
         self._alternatives: list[tuple[TokenProcessor, str]] | None = None
 
     def stream(self, pod: str, model: str | None, dp_rank: int, configured_model: str | None = None) -> StreamCheck:
@@ -135,6 +145,8 @@ class StreamCheck:
             return
         bs = tp.block_size
         sizes: set[int] = set()
+        if not self._owner.keeps_groups:
+            self._groups(events)
         for ev in events:
             if type(ev) is not BlockStored or not ev.token_ids:
                 continue
@@ -155,6 +167,20 @@ class StreamCheck:
         else:
             self._size_ok = True
             self._clear(BLOCK_SIZE)
+
+    def _groups(self, events: Sequence[Any]) -> None:
+        """A hybrid model's group store reaching an index that merges groups: say so (once)."""
+        if any(p.reason == KV_CACHE_GROUPS for p in self.problems):
+            return
+        for ev in events:
+            kind = ev.kv_cache_spec_kind if type(ev) is BlockStored else None
+            if kind is not None and kind not in FULL_KINDS:
+                self._set(KV_CACHE_GROUPS, (
+                    f"{self.pod}: the engine publishes a {kind} KV-cache group (a hybrid model) and this index "
+                    "backend keeps no groups, so it claims blocks the engine will not serve: set "
+                    "kv_block_index_config.backend: python, with a vllm_* algorithm (docs/hybrid.md)"
+                ))
+                return
 
     def _hashes(self, tp: TokenProcessor, ev: BlockStored) -> None:
         """Compare the engine's hash of a sequence's first block with ours for the same tokens."""

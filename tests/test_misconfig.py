@@ -238,6 +238,35 @@ def test_a_fixed_block_size_clears_the_reason() -> None:
     assert chk.watching
 
 
+@pytest.mark.parametrize("keeps_groups", [False, True])
+def test_a_hybrid_engine_on_a_backend_without_groups_shows(keeps_groups: bool) -> None:
+    """A sliding-window group's store reaching an index that merges groups names the stream misconfigured."""
+    from kvevents.events import BlockStored
+    from kvevents.misconfig import ConfigCheck
+    from kvindex.keys import TokenProcessor
+
+    chk = ConfigCheck(TokenProcessor(block_size=4), keeps_groups=keeps_groups).stream("pod-a", "m", 0)
+    full = BlockStored((1,), None, tuple(range(4)), 4, "gpu", group_idx=1, kv_cache_spec_kind="full_attention")
+    chk.events([full])
+    assert chk.problems == ()
+    swa = BlockStored((), None, tuple(range(4)), 4, "gpu", group_idx=0, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=8)
+    chk.rearm()
+    chk.events([swa, full])
+    reasons = [p.reason for p in chk.problems]
+    assert reasons == ([] if keeps_groups else ["kv_cache_groups"])
+    if not keeps_groups:
+        assert "backend: python" in chk.problems[0].message
+
+
+def test_the_facade_knows_which_backends_keep_groups() -> None:
+    from kvindex import Config, Indexer
+
+    for backend, keeps in (("python", True), ("native", False)):
+        ix = Indexer(Config.from_dict({"kv_block_index_config": {"backend": backend}}))
+        assert ix.pool.config_check.keeps_groups is keeps
+
+
 # -- several indexers, one registry
 
 def test_two_indexers_share_a_registry_with_their_own_namespaces() -> None:

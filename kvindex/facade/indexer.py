@@ -174,7 +174,8 @@ class Indexer:
         self.pool = EventPool(
             self.index, concurrency=ev.concurrency, queue_size=ev.queue_size, replay_timeout=ev.replay_timeout,
             replay_retries=ev.replay_retries, replay_retry_max_delay=ev.replay_retry_max_delay,
-            rejoin_checks=ev.rejoin_checks, config_check=ConfigCheck(self.token_processor, cfg.model_name),
+            rejoin_checks=ev.rejoin_checks, config_check=ConfigCheck(
+                self.token_processor, cfg.model_name, keeps_groups=isinstance(self.index, GroupAware)),
         )
         # pod -> its entry, the model filled in: blocks of a topic that names no model are filed under it
         self._engines = {e.pod: self._with_model(e) for e in ev.engines}

@@ -92,7 +92,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvindex_stream_misconfigured": (
         "gauge", STREAM_LABELS + ("reason",),
         "1 per reason the stream's engine is configured unlike the indexer (block_size, hash_algorithm, "
-        "model_name); the stream is then not complete."),
+        "model_name, kv_cache_groups); the stream is then not complete."),
     "kvindex_streams_misconfigured": ("gauge", (), "Publisher streams whose engine is configured unlike the indexer."),
     # write path, totals
     "kvindex_event_messages_received": ("counter", (), "Messages the subscriber took from its ZMQ sockets."),
