@@ -9,8 +9,12 @@ others chained to the previous event's last block), until ``--entries``
 
 Measures, for each backend:
 
-- ingest: BlockStored events/s and blocks/s applied by one writer calling
-  ``block_stored`` directly (the pool's per-shard work), over the whole fill;
+- ingest: BlockStored events/s and blocks/s applied by one writer, the
+  first half of the fill one ``block_stored`` call per event, the second
+  half as the pool applies a decoded batch (``apply_events``, one pod's 4
+  chained events of 16 blocks per batch);
+- memory (Redis): the server's ``used_memory`` growth over the fill, per
+  (request key, pod) entry;
 - read path: ``Indexer.score()`` of an 8,192-token prompt (512 blocks) with
   8 candidate pods, pod i holding the first (i+1)/8 of it, and
   ``prefix_match`` of its 512 request keys alone: median and p99 over
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import random
 import statistics
 import sys
@@ -36,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from kvindex.facade import Config, Indexer  # noqa: E402
 from kvindex.keys import TokenProcessor  # noqa: E402
 from kvindex.native import NativeKVBlockIndex  # noqa: E402
@@ -68,15 +75,42 @@ def events(entries: int, seed: int = 1):
         ek += PATH_BLOCKS  # the same tokens have the same engine keys on every pod
 
 
-def fill(index, entries: int) -> dict:
-    t0 = time.perf_counter()
-    n_ev = n_blocks = 0
-    for pod, eks, parent, toks in events(entries):
-        index.block_stored(pod, 0, eks, parent, toks, "gpu", block_size=BS, model="m")
-        n_ev += 1
-        n_blocks += len(eks)
-    dt = time.perf_counter() - t0
+KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
+BATCH_EVENTS = PATH_BLOCKS // EVENT_BLOCKS
+
+
+def _rate(n_ev: int, n_blocks: int, dt: float) -> dict:
     return {"events": n_ev, "blocks": n_blocks, "seconds": dt, "events_per_s": n_ev / dt, "blocks_per_s": n_blocks / dt}
+
+
+def fill(index, entries: int) -> dict:
+    """The first half one ``block_stored`` per event, the rest in batches through ``apply_events``."""
+    evs = list(events(entries))
+    half = len(evs) // 2
+    half -= half % BATCH_EVENTS
+    t0 = time.perf_counter()
+    for pod, eks, parent, toks in evs[:half]:
+        index.block_stored(pod, 0, eks, parent, toks, "gpu", block_size=BS, model="m")
+    dt_each = time.perf_counter() - t0
+    batches: list[tuple[str, list[BlockStored]]] = []
+    for pod, eks, parent, toks in evs[half:]:
+        ev = BlockStored(tuple(eks), parent, tuple(toks), BS, "gpu")
+        if batches and batches[-1][0] == pod and len(batches[-1][1]) < BATCH_EVENTS and parent is not None:
+            batches[-1][1].append(ev)
+        else:
+            batches.append((pod, [ev]))
+    t0 = time.perf_counter()
+    for pod, batch in batches:
+        r = index.apply_events(pod, 0, batch, model="m", kinds=KINDS)
+        assert r.unavailable is None and not r.errors, r
+    dt_batch = time.perf_counter() - t0
+    blocks_each = sum(len(e[1]) for e in evs[:half])
+    blocks_batch = sum(len(e[1]) for e in evs[half:])
+    return {
+        "block_stored": _rate(half, blocks_each, dt_each),
+        "apply_events": _rate(len(evs) - half, blocks_batch, dt_batch),
+        "batches": len(batches),
+    }
 
 
 def prompt_setup(index, tp: TokenProcessor) -> np.ndarray:
@@ -112,14 +146,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
     tp = TokenProcessor(block_size=BS)
-    results: dict = {"entries": args.entries, "pods": len(PODS), "prompt_tokens": 8192}
+    results: dict = {
+        "entries": args.entries, "pods": len(PODS), "prompt_tokens": 8192,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)), "loadavg_before": os.getloadavg(),
+    }
     with RedisServer() as srv:
         backends = {
             "native": NativeKVBlockIndex(tp, capacity=4_000_000),
             "redis": RedisKVBlockIndex(tp, capacity=4_000_000, url=srv.url),
         }
         for name, index in backends.items():
+            mem0 = index.client.info("memory")["used_memory"] if name == "redis" else 0
             r: dict = {"ingest": fill(index, args.entries)}
+            if name == "redis":
+                used = index.client.info("memory")["used_memory"] - mem0
+                r["redis_bytes_per_entry"] = used / max(1, index.stats().entries)
             toks = prompt_setup(index, tp)
             ix = Indexer(Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": BS}}),
                          index=index)
@@ -135,17 +177,23 @@ def main() -> None:
             results[name] = r
     n, rd = results["native"], results["redis"]
     results["ratios_redis_over_native"] = {
-        "ingest_events_per_s": rd["ingest"]["events_per_s"] / n["ingest"]["events_per_s"],
+        "ingest_block_stored": rd["ingest"]["block_stored"]["blocks_per_s"] / n["ingest"]["block_stored"]["blocks_per_s"],
+        "ingest_apply_events": rd["ingest"]["apply_events"]["blocks_per_s"] / n["ingest"]["apply_events"]["blocks_per_s"],
         "score_median": rd["score"]["median_ms"] / n["score"]["median_ms"],
         "score_p99": rd["score"]["p99_ms"] / n["score"]["p99_ms"],
         "prefix_match_median": rd["prefix_match"]["median_ms"] / n["prefix_match"]["median_ms"],
         "prefix_match_p99": rd["prefix_match"]["p99_ms"] / n["prefix_match"]["p99_ms"],
     }
-    print(f"{args.entries:,} entries, {len(PODS)} pods, 8,192-token prompt (512 blocks), {args.reps} reps")
+    results["loadavg_after"] = os.getloadavg()
+    print(f"{args.entries:,} entries, {len(PODS)} pods, 8,192-token prompt (512 blocks), {args.reps} reps; "
+          f"{results['date']}, {results['cpus']} CPUs ({results['cpus_allowed']} allowed), "
+          f"load average {results['loadavg_before'][0]:.2f} before, {results['loadavg_after'][0]:.2f} after")
     print(f"{'':28}{'native':>14}{'redis':>14}{'redis/native':>14}")
     rows = [
-        ("ingest events/s", n["ingest"]["events_per_s"], rd["ingest"]["events_per_s"]),
-        ("ingest blocks/s", n["ingest"]["blocks_per_s"], rd["ingest"]["blocks_per_s"]),
+        ("ingest blocks/s block_stored", n["ingest"]["block_stored"]["blocks_per_s"],
+         rd["ingest"]["block_stored"]["blocks_per_s"]),
+        ("ingest blocks/s apply_events", n["ingest"]["apply_events"]["blocks_per_s"],
+         rd["ingest"]["apply_events"]["blocks_per_s"]),
         ("score median ms", n["score"]["median_ms"], rd["score"]["median_ms"]),
         ("score p99 ms", n["score"]["p99_ms"], rd["score"]["p99_ms"]),
         ("prefix_match median ms", n["prefix_match"]["median_ms"], rd["prefix_match"]["median_ms"]),
@@ -154,7 +202,8 @@ def main() -> None:
     for label, a, b in rows:
         print(f"{label:28}{a:14.3f}{b:14.3f}{b / a:14.2f}")
     print(f"index: {rd['index']['keys']:,} keys, {rd['index']['entries']:,} entries; "
-          f"Redis used memory {rd['redis_used_memory_mb']:.0f} MiB")
+          f"Redis used memory {rd['redis_used_memory_mb']:.0f} MiB, "
+          f"{rd['redis_bytes_per_entry']:.0f} B per entry (growth over the fill)")
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "redis.json").write_text(json.dumps(results, indent=2))
