@@ -78,6 +78,41 @@ local function reap(now)
   return n
 end
 
+-- size counters (n): changed locally, written once at the end of a script (flush_n)
+local dent, dek = 0, 0
+local function flush_n()
+  if dent ~= 0 then redis.call('HINCRBY', N, 'entries', dent); dent = 0 end
+  if dek ~= 0 then redis.call('HINCRBY', N, 'engine_keys', dek); dek = 0 end
+end
+
+-- LRU ticks: reserved from the shared counter 256 at a time (increasing across scripts)
+local tick_at, tick_top = 0, 0
+local function next_tick()
+  if tick_at >= tick_top then
+    tick_top = redis.call('INCRBY', P .. 'tick', 256)
+    tick_at = tick_top - 256
+  end
+  tick_at = tick_at + 1
+  return tick_at
+end
+
+-- per pod within one script: does it have speculative entries; which of its streams are in ps:<pod>
+local has_spec, in_ps = {}, {}
+local function spec_of(pod)
+  local v = has_spec[pod]
+  if v == nil then v = redis.call('EXISTS', xkey(pod)) == 1; has_spec[pod] = v end
+  return v
+end
+local function ps_add(pod, s)
+  local t = in_ps[pod]
+  if t == nil then t = {}; in_ps[pod] = t end
+  if not t[s] then redis.call('SADD', pskey(pod), s); t[s] = true end
+end
+local function ps_rem(pod, s)
+  redis.call('SREM', pskey(pod), s)
+  in_ps[pod] = nil
+end
+
 local function unref(ek, mid, compat)
   if compat then return end
   local e = ekey(mid)
@@ -87,7 +122,7 @@ local function unref(ek, mid, compat)
   local cnt = tonumber(string.sub(v, c + 1)) - 1
   if cnt <= 0 then
     redis.call('HDEL', e, ek)
-    redis.call('HINCRBY', N, 'engine_keys', -1)
+    dek = dek - 1
     if redis.call('EXISTS', e) == 0 then redis.call('ZREM', L2ORDER, mid) end
   else
     redis.call('HSET', e, ek, string.sub(v, 1, c) .. cnt)
@@ -99,9 +134,9 @@ local function unlink(pod, rank, mid, ek, rk, compat)
   local sk = skey(mid, rank, pod)
   if redis.call('HGET', sk, ek) == rk then
     redis.call('HDEL', sk, ek)
-    redis.call('HINCRBY', N, 'entries', -1)
+    dent = dent - 1
     unref(ek, mid, compat)
-    if redis.call('EXISTS', sk) == 0 then redis.call('SREM', pskey(pod), mid .. ':' .. rank) end
+    if redis.call('EXISTS', sk) == 0 then ps_rem(pod, mid .. ':' .. rank) end
   end
 end
 
@@ -194,23 +229,22 @@ end
 
 local confirmed = 0
 local stored = 0
--- map ek -> rk for the stream (and level 2); count the store; confirm a speculative entry
-local function link(pod, rank, mid, ek, rk, compat)
-  local sk = skey(mid, rank, pod)
-  local old = redis.call('HGET', sk, ek)
+-- map ek -> rk for the stream (and level 2), ``old`` being the stream's current rk of ek;
+-- count the store; confirm a speculative entry
+local function link(pod, rank, mid, ek, rk, compat, old)
   if old ~= rk then
-    if not old then redis.call('HINCRBY', N, 'entries', 1) end
-    redis.call('HSET', sk, ek, rk)
-    redis.call('SADD', pskey(pod), mid .. ':' .. rank)
+    if not old then dent = dent + 1 end
+    redis.call('HSET', skey(mid, rank, pod), ek, rk)
+    ps_add(pod, mid .. ':' .. rank)
     if not compat then
       local e = ekey(mid)
       local v = redis.call('HGET', e, ek)
       if not v then
         if redis.call('EXISTS', e) == 0 then
-          redis.call('ZADD', L2ORDER, 'NX', redis.call('INCR', P .. 'tick'), mid)
+          redis.call('ZADD', L2ORDER, 'NX', next_tick(), mid)
         end
         redis.call('HSET', e, ek, rk .. ':1')
-        redis.call('HINCRBY', N, 'engine_keys', 1)
+        dek = dek + 1
       else
         local c = string.find(v, ':', 1, true)
         redis.call('HSET', e, ek, rk .. ':' .. (tonumber(string.sub(v, c + 1)) + 1))
@@ -218,9 +252,12 @@ local function link(pod, rank, mid, ek, rk, compat)
     end
   end
   stored = stored + 1
-  if redis.call('ZREM', xkey(pod), rk) == 1 then
+  if spec_of(pod) and redis.call('ZREM', xkey(pod), rk) == 1 then
     confirmed = confirmed + 1
-    if redis.call('EXISTS', xkey(pod)) == 0 then redis.call('SREM', XPODS, pod) end
+    if redis.call('EXISTS', xkey(pod)) == 0 then
+      redis.call('SREM', XPODS, pod)
+      has_spec[pod] = false
+    end
   end
 end
 
@@ -228,17 +265,17 @@ end
 local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   local sk = skey(mid, rank, pod)
   local old = redis.call('HGET', sk, ek)
-  if old and old ~= rk then drop_copy(pod, rank, ek, old, -1, compat) end
-  local bk = bkey(rk)
-  local tick = redis.call('INCR', P .. 'tick')
-  if redis.call('EXISTS', bk) == 0 then
-    redis.call('ZADD', LRU, tick, rk)
-    if redis.call('ZCARD', LRU) > cap then evict_one(compat) end
-  else
-    redis.call('ZADD', LRU, tick, rk)
+  if old and old ~= rk then
+    drop_copy(pod, rank, ek, old, -1, compat)
+    old = redis.call('HGET', sk, ek)
   end
+  local bk = bkey(rk)
+  -- a request key is in the LRU exactly while its block hash exists: a new member is a new block
+  local fresh = redis.call('ZADD', LRU, next_tick(), rk) == 1
+  if fresh and redis.call('ZCARD', LRU) > cap then evict_one(compat) end
   local rf = 'r:' .. rank .. ':' .. pod
-  local v = redis.call('HGET', bk, rf)
+  local v = false
+  if not fresh then v = redis.call('HGET', bk, rf) end
   if not v then
     redis.call('HSET', bk, rf, bitv .. ':' .. ek .. ':' .. mid)
   else
@@ -247,16 +284,53 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     if eek ~= ek then
       if redis.call('HGET', sk, eek) == rk then
         redis.call('HDEL', sk, eek)
-        redis.call('HINCRBY', N, 'entries', -1)
+        dent = dent - 1
         unref(eek, mid, compat)
       end
       eek = ek
     end
     redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
   end
-  local pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0')
+  local pm = 0
+  if not fresh then pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0') end
   set_pod_mask(rk, pod, bit.bor(pm, bitv))
-  link(pod, rank, mid, ek, rk, compat)
+  link(pod, rank, mid, ek, rk, compat, old)
+end
+
+-- forget what pod holds: rank ('' = every rank), mid ('' = every model, '-' = none);
+-- returns the entries removed (rank entries + held keys + speculative entries when the whole pod goes)
+local function clear_streams(pod, rank, mid, compat)
+  local n = 0
+  if mid ~= '-' then
+    for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+      local c = string.find(s, ':', 1, true)
+      local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
+      if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
+        local sk = skey(smid, srank, pod)
+        local m = redis.call('HGETALL', sk)
+        redis.call('DEL', sk)
+        ps_rem(pod, s)
+        local rf = 'r:' .. srank .. ':' .. pod
+        for i = 1, #m, 2 do
+          local ek, rk = m[i], m[i + 1]
+          dent = dent - 1
+          unref(ek, smid, compat)
+          if redis.call('HDEL', bkey(rk), rf) == 1 then
+            n = n + 1
+            settle_pod(rk, pod)
+          end
+        end
+      end
+    end
+  end
+  if rank == '' and mid == '' then
+    n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
+    redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
+    redis.call('SREM', HPODS, pod)
+    redis.call('SREM', XPODS, pod)
+    has_spec[pod] = false
+  end
+  return n
 end
 
 local function resolve(pod, rank, mid, ek)
@@ -274,6 +348,7 @@ _STORE = r"""
 local pod, rank, mid, bitv, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local compat = ARGV[7] == '1'
 for i = 8, #ARGV, 2 do put(pod, rank, mid, ARGV[i], ARGV[i + 1], bitv, cap, compat) end
+flush_n()
 return {stored, evictions, confirmed}
 """
 
@@ -289,12 +364,68 @@ for i = 8, #ARGV do
   if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
   if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
 end
+flush_n()
 return {stored, evictions, confirmed, unknown}
 """
 
 # ARGV: P, pod, rank, mid, ek -> rk or false
 _RESOLVE = r"""
 return resolve(ARGV[2], ARGV[3], ARGV[4], ARGV[5]) or false
+"""
+
+# One publisher's run of events, in order (the write path's batch).
+# ARGV: P, pod, rank, mid, capacity, compat, then per event one op (engine / request keys as decimal
+# words separated by spaces):
+#   'S', bit, parent ek ('' = none), its request key, eks, rks   a store; applied only if the stream
+#                                                               still resolves the parent to that key
+#   'T', bit, eks                                               a token-less store
+#   'R', bit, eks                                               a removal
+#   'C'                                                         a clear of the stream (rank, mid)
+# -> {ops applied (stops before a store whose parent resolves otherwise), stored, evictions, confirmed,
+#     unknown (token-less), clears that removed something, {hit 0/1 per removed ek, in order}}
+_BATCH = r"""
+local pod, rank, mid, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local compat = ARGV[6] == '1'
+local done, unknown, clears = 0, 0, 0
+local hits = {}
+local i = 7
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'S' then
+    local bitv, pek = tonumber(ARGV[i + 1]), ARGV[i + 2]
+    if pek ~= '' and resolve(pod, rank, mid, pek) ~= ARGV[i + 3] then break end
+    local rks = {}
+    for w in string.gmatch(ARGV[i + 5], '%S+') do rks[#rks + 1] = w end
+    local k = 0
+    for ek in string.gmatch(ARGV[i + 4], '%S+') do
+      k = k + 1
+      put(pod, rank, mid, ek, rks[k], bitv, cap, compat)
+    end
+    i = i + 6
+  elseif op == 'T' then
+    local bitv = tonumber(ARGV[i + 1])
+    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+      local rk
+      if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
+      if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
+    end
+    i = i + 3
+  elseif op == 'R' then
+    local bitv = tonumber(ARGV[i + 1])
+    local sk = skey(mid, rank, pod)
+    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+      local rk = redis.call('HGET', sk, ek)
+      if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
+    end
+    i = i + 3
+  else
+    if clear_streams(pod, rank, mid, compat) > 0 then clears = clears + 1 end
+    i = i + 1
+  end
+  done = done + 1
+end
+flush_n()
+return {done, stored, evictions, confirmed, unknown, clears, hits}
 """
 
 # ARGV: P, pod, rank, mid ('' = model unknown here), bit, compat, ek... -> {hit 0/1 per ek}
@@ -311,43 +442,15 @@ for i = 7, #ARGV do
   end
   out[#out + 1] = hit
 end
+flush_n()
 return out
 """
 
 # ARGV: P, pod, rank ('' = every rank), mid ('' = every model, '-' = none), compat
 # -> entries removed (rank entries + held keys + speculative entries when the whole pod goes)
 _CLEAR = r"""
-local pod, rank, mid = ARGV[2], ARGV[3], ARGV[4]
-local compat = ARGV[5] == '1'
-local n = 0
-if mid ~= '-' then
-  for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
-    local c = string.find(s, ':', 1, true)
-    local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
-    if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
-      local sk = skey(smid, srank, pod)
-      local m = redis.call('HGETALL', sk)
-      redis.call('DEL', sk)
-      redis.call('SREM', pskey(pod), s)
-      local rf = 'r:' .. srank .. ':' .. pod
-      for i = 1, #m, 2 do
-        local ek, rk = m[i], m[i + 1]
-        redis.call('HINCRBY', N, 'entries', -1)
-        unref(ek, smid, compat)
-        if redis.call('HDEL', bkey(rk), rf) == 1 then
-          n = n + 1
-          settle_pod(rk, pod)
-        end
-      end
-    end
-  end
-end
-if rank == '' and mid == '' then
-  n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
-  redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
-  redis.call('SREM', HPODS, pod)
-  redis.call('SREM', XPODS, pod)
-end
+local n = clear_streams(ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1')
+flush_n()
 return n
 """
 
@@ -658,6 +761,7 @@ SCRIPTS: dict[str, str] = {
     name: _COMMON + body
     for name, body in {
         "store": _STORE,
+        "batch": _BATCH,
         "tokenless": _TOKENLESS,
         "resolve": _RESOLVE,
         "remove": _REMOVE,
