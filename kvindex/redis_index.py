@@ -604,9 +604,9 @@ class RedisKVBlockIndex(SideTables):
         """
         if len(request_keys) == 0:
             return {}
-        keys = _ints(request_keys)
+        keys = " ".join(map(str, _ints(request_keys)))
         pod_args: list[str] = [-1] if pods is None else [len(pods), *pods]  # type: ignore[list-item]
-        res = self._run("match", self._now_args(), _GPU_BIT, 1, *pod_args, *keys, write=False)
+        res = self._run("match", self._now_args(), _GPU_BIT, 1, *pod_args, keys, write=False)
         if res is None:
             return {}
         self._c["speculative_expired"] += int(res[0])
@@ -646,7 +646,7 @@ class RedisKVBlockIndex(SideTables):
         keys = _ints(request_keys)
         if not keys:
             return None
-        res = self._run("best_rank", pod, *keys, write=False)
+        res = self._run("best_rank", pod, " ".join(map(str, keys)), write=False)
         return None if res is None else int(res)
 
     def request_key_of(self, engine_key: int, model: Any = ALL_MODELS) -> int | None:

@@ -481,7 +481,7 @@ end
 return expired
 """
 
-# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys...
+# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys (decimal words)
 # -> {expired, pod1, {mask, run length, mask, run length, ...}, pod2, {...}, ...} (the masks run-length coded)
 _MATCH = r"""
 local now = now_arg(ARGV[2])
@@ -517,7 +517,9 @@ for _, p in ipairs(cands) do
     masks[p] = {}
   end
 end
-local nkeys = #ARGV - kstart + 1
+local K = {}
+for w in string.gmatch(ARGV[kstart], '%S+') do K[#K + 1] = w end
+local nkeys = #K
 local longest = 0
 -- per pod: HMGET of its masks in growing chunks (64, 128, ...) until its first miss
 for _, p in ipairs(alive) do
@@ -525,14 +527,14 @@ for _, p in ipairs(alive) do
   local i, chunk, done = 0, 64, false
   while not done and i < nkeys do
     local n = math.min(chunk, nkeys - i)
-    local vals = redis.call('HMGET', pmkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1))
+    local vals = redis.call('HMGET', pmkey(p), unpack(K, i + 1, i + n))
     local hv = nil
-    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1)) end
+    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(K, i + 1, i + n)) end
     for j = 1, n do
       local m = vals[j]
       if m then m = tonumber(m) else m = nil end
       if hv and hv[j] then m = bit.bor(m or 0, tonumber(hv[j])) end
-      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), ARGV[kstart + i + j - 1]) then m = gpu end
+      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), K[i + j]) then m = gpu end
       if m == nil then done = true; break end
       ms[#ms + 1] = m
     end
@@ -549,7 +551,7 @@ if touch and longest > 0 then
     local stop = math.min(longest, k + 255)
     for q = k, stop do
       args[#args + 1] = top - longest + q
-      args[#args + 1] = ARGV[kstart + q - 1]
+      args[#args + 1] = K[q]
     end
     redis.call('ZADD', LRU, unpack(args))
     k = stop + 1
@@ -609,26 +611,28 @@ end
 return out
 """
 
-# ARGV: P, pod, keys... -> best rank (string) or false
+# ARGV: P, pod, keys (decimal words) -> best rank (string) or false
 _BEST_RANK = r"""
 local pod = ARGV[2]
+local K = {}
+for w in string.gmatch(ARGV[3], '%S+') do K[#K + 1] = w end
 local ranks, seen = {}, {}
 for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
   local r = string.sub(s, string.find(s, ':', 1, true) + 1)
   if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
 end
-if #ranks == 0 or #ARGV < 3 then return false end
+if #ranks == 0 or #K == 0 then return false end
 if #ranks == 1 then
   -- one rank holds every block of the pod
-  if redis.call('HEXISTS', bkey(ARGV[3]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
+  if redis.call('HEXISTS', bkey(K[1]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
   return false
 end
 local alive = ranks
 local best = false
-for i = 3, #ARGV do
+for i = 1, #K do
   local fl = {}
   for j, r in ipairs(alive) do fl[j] = 'r:' .. r .. ':' .. pod end
-  local vals = redis.call('HMGET', bkey(ARGV[i]), unpack(fl))
+  local vals = redis.call('HMGET', bkey(K[i]), unpack(fl))
   local nxt = {}
   for j, r in ipairs(alive) do if vals[j] then nxt[#nxt + 1] = r end end
   if #nxt == 0 then break end
