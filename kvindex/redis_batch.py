@@ -14,15 +14,12 @@ and is applied by the per-event method.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvindex.contract import ApplyResult
-from kvindex.side_tables import checked_store
+from kvindex.keys import TokenProcessor
+from kvindex.side_tables import _Orphan, checked_store
 from kvindex.tiers import tier_bit
-
-if TYPE_CHECKING:
-    from kvindex.redis_index import RedisKVBlockIndex
-    from kvindex.side_tables import _Orphan
 
 __all__ = ["BatchOps", "MAX_BATCH_BLOCKS", "bit_of", "prepare", "store_op", "tally"]
 
@@ -37,6 +34,15 @@ def bit_of(tier: str) -> int:
     if b > _MAX_BIT:
         raise ValueError(f"the Redis backend holds at most 31 tiers; {tier!r} is beyond")
     return b
+
+
+class _Index(Protocol):
+    """What the preparation reads of :class:`kvindex.redis_index.RedisKVBlockIndex`."""
+
+    _compat: bool
+    _tails: dict[tuple[str, int, str | None], tuple[int, int]]
+    block_size: int
+    token_processor: TokenProcessor
 
 
 def _words(keys: Iterable[int]) -> str:
@@ -64,7 +70,7 @@ class BatchOps:
 
 
 def _chained_op(
-    ix: RedisKVBlockIndex, ops: BatchOps, i: int, eks: list[int], toks: Sequence[int], bit: int,
+    ix: _Index, ops: BatchOps, i: int, eks: list[int], toks: Sequence[int], bit: int,
     extras: list | None, lora: str | None, model: str | None, parent: int | None, tail: tuple[int, int] | None,
 ) -> bool:
     """Add the op of a checked store with token ids; False when its parent's request key is not known here."""
@@ -86,7 +92,7 @@ def _chained_op(
     return True
 
 
-def store_op(ix: RedisKVBlockIndex, ops: BatchOps, i: int, item: _Orphan, tail: tuple[int, int]) -> bool:
+def store_op(ix: _Index, ops: BatchOps, i: int, item: _Orphan, tail: tuple[int, int]) -> bool:
     """Add the op of a checked store (``item``) whose parent is the stream's last stored block ``tail``."""
     return _chained_op(
         ix, ops, i, list(item.engine_keys), item.token_ids, item.tier, item.extra_keys, item.lora_name, item.model,
@@ -95,7 +101,7 @@ def store_op(ix: RedisKVBlockIndex, ops: BatchOps, i: int, item: _Orphan, tail: 
 
 
 def _store_op(
-    ix: RedisKVBlockIndex, ops: BatchOps, i: int, ev: Any, bit: int, model: str | None, tail: tuple[int, int] | None
+    ix: _Index, ops: BatchOps, i: int, ev: Any, bit: int, model: str | None, tail: tuple[int, int] | None
 ) -> bool:
     """Add the op of BlockStored ``ev``; False when it needs the per-event method."""
     eks = [int(k) for k in ev.block_hashes]
@@ -109,7 +115,7 @@ def _store_op(
 
 
 def prepare(
-    ix: RedisKVBlockIndex, pod: str, rank: int, events: Sequence[Any], start: int, model: str | None,
+    ix: _Index, pod: str, rank: int, events: Sequence[Any], start: int, model: str | None,
     kinds: tuple[type, type, type],
 ) -> tuple[BatchOps, int, bool]:
     """Ops for ``events[start:stop]``; returns (ops, stop, whether ``events[stop]`` needs the per-event method).
