@@ -15,6 +15,8 @@ Measures, for each backend:
   chained events of 16 blocks per batch);
 - memory (Redis): the server's ``used_memory`` growth over the fill, per
   (request key, pod) entry;
+- CPU (Redis): this process's and the server's CPU time per block stored and
+  per ``score()`` (steadier than wall time on a shared machine);
 - read path: ``Indexer.score()`` of an 8,192-token prompt (512 blocks) with
   8 candidate pods, pod i holding the first (i+1)/8 of it, and
   ``prefix_match`` of its 512 request keys alone: median and p99 over
@@ -79,8 +81,34 @@ KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 BATCH_EVENTS = PATH_BLOCKS // EVENT_BLOCKS
 
 
-def _rate(n_ev: int, n_blocks: int, dt: float) -> dict:
-    return {"events": n_ev, "blocks": n_blocks, "seconds": dt, "events_per_s": n_ev / dt, "blocks_per_s": n_blocks / dt}
+def _rate(n_ev: int, n_blocks: int, dt: float, cpu: tuple[float, float]) -> dict:
+    return {"events": n_ev, "blocks": n_blocks, "seconds": dt, "events_per_s": n_ev / dt, "blocks_per_s": n_blocks / dt,
+            "client_cpu_us_per_block": cpu[0] * 1e6 / n_blocks, "server_cpu_us_per_block": cpu[1] * 1e6 / n_blocks}
+
+
+def server_cpu(index) -> float:
+    """CPU seconds the Redis server has used (0 for an in-process index)."""
+    client = getattr(index, "client", None)
+    if client is None:
+        return 0.0
+    info = client.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
+class _Cpu:
+    """CPU seconds of this process and of the Redis server over a ``with`` block (steadier than wall
+    time on a shared machine)."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self.used = (0.0, 0.0)
+
+    def __enter__(self) -> _Cpu:
+        self._t = (time.process_time(), server_cpu(self.index))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.used = (time.process_time() - self._t[0], server_cpu(self.index) - self._t[1])
 
 
 def fill(index, entries: int) -> dict:
@@ -89,8 +117,9 @@ def fill(index, entries: int) -> dict:
     half = len(evs) // 2
     half -= half % BATCH_EVENTS
     t0 = time.perf_counter()
-    for pod, eks, parent, toks in evs[:half]:
-        index.block_stored(pod, 0, eks, parent, toks, "gpu", block_size=BS, model="m")
+    with _Cpu(index) as cpu_each:
+        for pod, eks, parent, toks in evs[:half]:
+            index.block_stored(pod, 0, eks, parent, toks, "gpu", block_size=BS, model="m")
     dt_each = time.perf_counter() - t0
     batches: list[tuple[str, list[BlockStored]]] = []
     for pod, eks, parent, toks in evs[half:]:
@@ -100,15 +129,16 @@ def fill(index, entries: int) -> dict:
         else:
             batches.append((pod, [ev]))
     t0 = time.perf_counter()
-    for pod, batch in batches:
-        r = index.apply_events(pod, 0, batch, model="m", kinds=KINDS)
-        assert r.unavailable is None and not r.errors, r
+    with _Cpu(index) as cpu_batch:
+        for pod, batch in batches:
+            r = index.apply_events(pod, 0, batch, model="m", kinds=KINDS)
+            assert r.unavailable is None and not r.errors, r
     dt_batch = time.perf_counter() - t0
     blocks_each = sum(len(e[1]) for e in evs[:half])
     blocks_batch = sum(len(e[1]) for e in evs[half:])
     return {
-        "block_stored": _rate(half, blocks_each, dt_each),
-        "apply_events": _rate(len(evs) - half, blocks_batch, dt_batch),
+        "block_stored": _rate(half, blocks_each, dt_each, cpu_each.used),
+        "apply_events": _rate(len(evs) - half, blocks_batch, dt_batch, cpu_batch.used),
         "batches": len(batches),
     }
 
@@ -128,16 +158,18 @@ def prompt_setup(index, tp: TokenProcessor) -> np.ndarray:
     return toks
 
 
-def timed(fn, reps: int) -> dict:
+def timed(fn, reps: int, index) -> dict:
     for _ in range(3):
         fn()
     ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+    with _Cpu(index) as cpu:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
     ts.sort()
-    return {"median_ms": statistics.median(ts) * 1e3, "p99_ms": ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e3}
+    return {"median_ms": statistics.median(ts) * 1e3, "p99_ms": ts[min(len(ts) - 1, int(len(ts) * 0.99))] * 1e3,
+            "client_cpu_ms": cpu.used[0] * 1e3 / reps, "server_cpu_ms": cpu.used[1] * 1e3 / reps}
 
 
 def main() -> None:
@@ -167,8 +199,8 @@ def main() -> None:
                          index=index)
             keys = ix.request_keys(toks)
             assert ix.score(toks, PODS).prefix[PODS[-1]].matched_blocks == 512
-            r["score"] = timed(lambda: ix.score(toks, PODS), args.reps)  # noqa: B023
-            r["prefix_match"] = timed(lambda: index.prefix_match(keys, PODS), args.reps)  # noqa: B023
+            r["score"] = timed(lambda: ix.score(toks, PODS), args.reps, index)  # noqa: B023
+            r["prefix_match"] = timed(lambda: index.prefix_match(keys, PODS), args.reps, index)  # noqa: B023
             st = index.stats()
             r["index"] = {"keys": st.keys, "entries": st.entries}
             if name == "redis":
@@ -201,6 +233,12 @@ def main() -> None:
     ]
     for label, a, b in rows:
         print(f"{label:28}{a:14.3f}{b:14.3f}{b / a:14.2f}")
+    ri, rs = rd["ingest"], rd["score"]
+    print("redis CPU (steadier than wall time on a shared machine): per block stored, client + server us: "
+          f"block_stored {ri['block_stored']['client_cpu_us_per_block']:.1f} + "
+          f"{ri['block_stored']['server_cpu_us_per_block']:.1f}, apply_events "
+          f"{ri['apply_events']['client_cpu_us_per_block']:.1f} + {ri['apply_events']['server_cpu_us_per_block']:.1f}; "
+          f"per score(), client + server ms: {rs['client_cpu_ms']:.2f} + {rs['server_cpu_ms']:.2f}")
     print(f"index: {rd['index']['keys']:,} keys, {rd['index']['entries']:,} entries; "
           f"Redis used memory {rd['redis_used_memory_mb']:.0f} MiB, "
           f"{rd['redis_bytes_per_entry']:.0f} B per entry (growth over the fill)")
