@@ -142,19 +142,20 @@ return out
 # ARGV: P, pod, keys (decimal words) -> best rank (string) or false
 _BEST_RANK = r"""
 local pod = ARGV[2]
-local K = {}
-for w in string.gmatch(ARGV[3], '%S+') do K[#K + 1] = w end
 local ranks, seen = {}, {}
 for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
   local r = string.sub(s, string.find(s, ':', 1, true) + 1)
   if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
 end
-if #ranks == 0 or #K == 0 then return false end
+local first = string.match(ARGV[3], '%S+')
+if #ranks == 0 or not first then return false end
 if #ranks == 1 then
-  -- one rank holds every block of the pod
-  if redis.call('HEXISTS', bkey(K[1]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
+  -- one rank holds every block of the pod: the first key answers
+  if redis.call('HEXISTS', bkey(first), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
   return false
 end
+local K = {}
+for w in string.gmatch(ARGV[3], '%S+') do K[#K + 1] = w end
 local alive = ranks
 local best = false
 for i = 1, #K do
