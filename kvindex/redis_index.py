@@ -44,9 +44,14 @@ Round trips: every operation is ONE server-side Lua script (EVALSHA; see
 :mod:`kvindex.redis_lua`), run atomically: a prefix match over N request keys
 for every candidate pod (per pod, HMGETs of ``pm:<pod>`` in chunks of 64,
 128, ... keys until its first miss; then the LRU refresh of the longest
-match in one ZADD per 256 keys), a batch of stored blocks, a removal, a
-clear, a lookup.  A BlockStored with token ids costs two: resolving the parent's
-request key, then the store (the keys are chained in Python in between).
+match in one ZADD per 256 keys), a removal, a clear, a lookup.  A decoded
+batch (:meth:`apply_events`, the write path's call) is one script per run of
+up to 1,024 blocks (:mod:`kvindex.redis_batch`): the request keys are chained
+in Python from the parent's, known here when the parent is the stream's last
+stored block or stored earlier in the run, and the script applies a store
+only if the stream still resolves its parent to that key; otherwise the
+store goes alone and costs two (resolving the parent's request key, then the
+store).
 
 Idempotent writes: a script applied twice leaves the same state (every
 counter it keeps changes only on a transition it observes), so replicas that
@@ -95,13 +100,14 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvindex.contract import ALL_MODELS, IndexStats, PodEntry
-from kvindex.side_tables import SideTables, _Orphan, checked_store
+from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
+from kvindex.redis_batch import BatchOps, bit_of as _bit, prepare, store_op, tally
+from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
 from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
 from kvindex.redis_conn import RedisLink
 from kvindex.redis_lua import SCRIPTS
-from kvindex.tiers import GPU, tier_bit, tier_names
+from kvindex.tiers import GPU, tier_names
 
 if TYPE_CHECKING:
     import numpy as np
@@ -111,15 +117,7 @@ __all__ = ["RedisKVBlockIndex", "DEFAULT_KEY_PREFIX"]
 #: Key prefix of the index when none is given.
 DEFAULT_KEY_PREFIX = "kvindex:{default}:"
 
-_GPU_BIT = tier_bit(GPU)
-_MAX_BIT = 1 << 30
-
-
-def _bit(tier: str) -> int:
-    b = tier_bit(tier)
-    if b > _MAX_BIT:
-        raise ValueError(f"the Redis backend holds at most 31 tiers; {tier!r} is beyond")
-    return b
+_GPU_BIT = _bit(GPU)
 
 
 def _ints(values: Iterable[Any]) -> list[int]:
@@ -197,6 +195,9 @@ class RedisKVBlockIndex(SideTables):
         self._epoch: bytes | None = None
         self._next_epoch_check = 0.0
         self._init_side_tables()
+        #: (pod, rank, model) -> (engine key, request key) of the stream's last stored block: the likely
+        #: parent of its next store (checked on the server before use)
+        self._tails: dict[tuple[str, int, str | None], tuple[int, int]] = {}
         self._c = dict.fromkeys(
             (
                 "evictions",
@@ -385,6 +386,14 @@ class RedisKVBlockIndex(SideTables):
             item = _Orphan(pod, rank, tuple(eks), token_ids, bit, extras, lora_name, model, set())
             if parent_engine_key is None:
                 return self._attach(item, None)
+            tail = self._tails.get((pod, rank, model))
+            if tail is not None and tail[0] == int(parent_engine_key) and not self._orphans:
+                # the stream's last stored block: chained here, the parent checked on the server
+                ops = BatchOps()
+                if store_op(self, ops, 0, item, tail):
+                    done, stored = self._send(pod, rank, mid, model, ops)
+                    if done:
+                        return stored
             parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True, model=model)
             if parent is None:
                 self._add_orphan(int(parent_engine_key), item)
@@ -407,6 +416,7 @@ class RedisKVBlockIndex(SideTables):
                     it.pod, it.dp_rank, mid, it.tier, [it.engine_keys[i] for i in keep], [rks[i] for i in keep],
                     it.model,
                 )
+                self._tails[(it.pod, it.dp_rank, it.model)] = (it.engine_keys[keep[-1]], rks[keep[-1]])
             if self._orphans:
                 for ek, rk in zip(it.engine_keys, rks):
                     waiting = self._orphans.pop((it.model, ek), None)
@@ -416,6 +426,72 @@ class RedisKVBlockIndex(SideTables):
                             self._c["orphans_attached"] += len(w.engine_keys) - len(w.removed)
                             work.append((w, rk))
         return attached
+
+    def apply_events(
+        self, pod: str, dp_rank: int, events: Sequence[Any], *, model: str | None = None,
+        kinds: tuple[type, type, type],
+    ) -> ApplyResult:
+        """Apply one publisher's decoded batch (as :meth:`kvindex.reference.KVBlockIndex.apply_events`).
+
+        Runs of events go to the server in one script call each
+        (:mod:`kvindex.redis_batch`); an event the run cannot take (a parent
+        the stream's earlier stores do not name, a malformed event, a model
+        without an id yet) is applied by the per-event method.  While orphans
+        wait (they live in this process), events are applied one by one.
+        """
+        rank = int(dp_rank)
+        r = ApplyResult()
+        n = len(events)
+        i = 0
+        with self._lock:
+            while i < n:
+                if self._orphans:
+                    return apply_each(self, pod, rank, events, model, kinds, i, r)
+                mid = self._model_ids.get(model)
+                ops, stop, single = prepare(self, pod, rank, events, i, model, kinds) if mid is not None else (
+                    BatchOps(), i, True
+                )
+                if ops.events:
+                    try:
+                        done, _ = self._send(pod, rank, mid, model, ops)  # type: ignore[arg-type]
+                    except IndexUnavailable as exc:
+                        r.unavailable, r.left = str(exc), n - i
+                        return r
+                    tally(r, events, ops, done, kinds)
+                    if done < len(ops.events):  # a parent resolved otherwise: that store goes alone
+                        stop, single = ops.events[done], True
+                if single and stop < n:
+                    apply_each(self, pod, rank, events[stop : stop + 1], model, kinds, 0, r)
+                    if r.unavailable is not None:
+                        r.left = n - stop
+                        return r
+                    stop += 1
+                i = stop
+        return r
+
+    def _send(self, pod: str, rank: int, mid: int, model: str | None, ops: BatchOps) -> tuple[int, int]:
+        """Run the ``batch`` script for ``ops``; returns (ops applied, blocks stored), counted here."""
+        if ops.tokens and model not in self._models:
+            self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
+            self._models.add(model)
+        done, stored, evictions, confirmed, unknown, clears, hits = self._run(
+            "batch", pod, rank, mid, self.capacity, self._compat_arg, *ops.args, write=True, model=model
+        )
+        c = self._c
+        c["stored_blocks"] += stored
+        c["evictions"] += evictions
+        c["speculative_confirmed"] += confirmed
+        c["unknown_offloads"] += unknown
+        c["clears"] += clears
+        hit = sum(hits)
+        c["removed_blocks"] += hit
+        c["unknown_removals"] += len(hits) - hit
+        for k in range(done - 1, -1, -1):
+            tail = ops.tails[k]
+            if tail is not None:
+                self._tails[(pod, rank, model)] = tail
+                break
+        return int(done), int(stored)
 
     def block_removed(
         self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
@@ -528,9 +604,9 @@ class RedisKVBlockIndex(SideTables):
         """
         if len(request_keys) == 0:
             return {}
-        keys = _ints(request_keys)
+        keys = " ".join(map(str, _ints(request_keys)))
         pod_args: list[str] = [-1] if pods is None else [len(pods), *pods]  # type: ignore[list-item]
-        res = self._run("match", self._now_args(), _GPU_BIT, 1, *pod_args, *keys, write=False)
+        res = self._run("match", self._now_args(), _GPU_BIT, 1, *pod_args, keys, write=False)
         if res is None:
             return {}
         self._c["speculative_expired"] += int(res[0])
@@ -570,7 +646,7 @@ class RedisKVBlockIndex(SideTables):
         keys = _ints(request_keys)
         if not keys:
             return None
-        res = self._run("best_rank", pod, *keys, write=False)
+        res = self._run("best_rank", pod, " ".join(map(str, keys)), write=False)
         return None if res is None else int(res)
 
     def request_key_of(self, engine_key: int, model: Any = ALL_MODELS) -> int | None:

@@ -1,5 +1,8 @@
 """Server-side scripts of :class:`kvindex.redis_index.RedisKVBlockIndex` (Lua, run with EVALSHA).
 
+This module holds the helpers every script starts with and the write
+scripts; the read scripts are in :mod:`kvindex.redis_lua_read`.
+
 Each public operation of the Redis backend is one script: it runs atomically
 on the server, so a reader never sees half of an event, and a script applied
 twice leaves the same state (every size counter changes only on a state
@@ -15,6 +18,8 @@ gives that model that id.
 """
 
 from __future__ import annotations
+
+from kvindex.redis_lua_read import READ_SCRIPTS
 
 __all__ = ["SCRIPTS"]
 
@@ -78,6 +83,41 @@ local function reap(now)
   return n
 end
 
+-- size counters (n): changed locally, written once at the end of a script (flush_n)
+local dent, dek = 0, 0
+local function flush_n()
+  if dent ~= 0 then redis.call('HINCRBY', N, 'entries', dent); dent = 0 end
+  if dek ~= 0 then redis.call('HINCRBY', N, 'engine_keys', dek); dek = 0 end
+end
+
+-- LRU ticks: reserved from the shared counter 256 at a time (increasing across scripts)
+local tick_at, tick_top = 0, 0
+local function next_tick()
+  if tick_at >= tick_top then
+    tick_top = redis.call('INCRBY', P .. 'tick', 256)
+    tick_at = tick_top - 256
+  end
+  tick_at = tick_at + 1
+  return tick_at
+end
+
+-- per pod within one script: does it have speculative entries; which of its streams are in ps:<pod>
+local has_spec, in_ps = {}, {}
+local function spec_of(pod)
+  local v = has_spec[pod]
+  if v == nil then v = redis.call('EXISTS', xkey(pod)) == 1; has_spec[pod] = v end
+  return v
+end
+local function ps_add(pod, s)
+  local t = in_ps[pod]
+  if t == nil then t = {}; in_ps[pod] = t end
+  if not t[s] then redis.call('SADD', pskey(pod), s); t[s] = true end
+end
+local function ps_rem(pod, s)
+  redis.call('SREM', pskey(pod), s)
+  in_ps[pod] = nil
+end
+
 local function unref(ek, mid, compat)
   if compat then return end
   local e = ekey(mid)
@@ -87,7 +127,7 @@ local function unref(ek, mid, compat)
   local cnt = tonumber(string.sub(v, c + 1)) - 1
   if cnt <= 0 then
     redis.call('HDEL', e, ek)
-    redis.call('HINCRBY', N, 'engine_keys', -1)
+    dek = dek - 1
     if redis.call('EXISTS', e) == 0 then redis.call('ZREM', L2ORDER, mid) end
   else
     redis.call('HSET', e, ek, string.sub(v, 1, c) .. cnt)
@@ -99,9 +139,9 @@ local function unlink(pod, rank, mid, ek, rk, compat)
   local sk = skey(mid, rank, pod)
   if redis.call('HGET', sk, ek) == rk then
     redis.call('HDEL', sk, ek)
-    redis.call('HINCRBY', N, 'entries', -1)
+    dent = dent - 1
     unref(ek, mid, compat)
-    if redis.call('EXISTS', sk) == 0 then redis.call('SREM', pskey(pod), mid .. ':' .. rank) end
+    if redis.call('EXISTS', sk) == 0 then ps_rem(pod, mid .. ':' .. rank) end
   end
 end
 
@@ -194,23 +234,22 @@ end
 
 local confirmed = 0
 local stored = 0
--- map ek -> rk for the stream (and level 2); count the store; confirm a speculative entry
-local function link(pod, rank, mid, ek, rk, compat)
-  local sk = skey(mid, rank, pod)
-  local old = redis.call('HGET', sk, ek)
+-- map ek -> rk for the stream (and level 2), ``old`` being the stream's current rk of ek;
+-- count the store; confirm a speculative entry
+local function link(pod, rank, mid, ek, rk, compat, old)
   if old ~= rk then
-    if not old then redis.call('HINCRBY', N, 'entries', 1) end
-    redis.call('HSET', sk, ek, rk)
-    redis.call('SADD', pskey(pod), mid .. ':' .. rank)
+    if not old then dent = dent + 1 end
+    redis.call('HSET', skey(mid, rank, pod), ek, rk)
+    ps_add(pod, mid .. ':' .. rank)
     if not compat then
       local e = ekey(mid)
       local v = redis.call('HGET', e, ek)
       if not v then
         if redis.call('EXISTS', e) == 0 then
-          redis.call('ZADD', L2ORDER, 'NX', redis.call('INCR', P .. 'tick'), mid)
+          redis.call('ZADD', L2ORDER, 'NX', next_tick(), mid)
         end
         redis.call('HSET', e, ek, rk .. ':1')
-        redis.call('HINCRBY', N, 'engine_keys', 1)
+        dek = dek + 1
       else
         local c = string.find(v, ':', 1, true)
         redis.call('HSET', e, ek, rk .. ':' .. (tonumber(string.sub(v, c + 1)) + 1))
@@ -218,9 +257,12 @@ local function link(pod, rank, mid, ek, rk, compat)
     end
   end
   stored = stored + 1
-  if redis.call('ZREM', xkey(pod), rk) == 1 then
+  if spec_of(pod) and redis.call('ZREM', xkey(pod), rk) == 1 then
     confirmed = confirmed + 1
-    if redis.call('EXISTS', xkey(pod)) == 0 then redis.call('SREM', XPODS, pod) end
+    if redis.call('EXISTS', xkey(pod)) == 0 then
+      redis.call('SREM', XPODS, pod)
+      has_spec[pod] = false
+    end
   end
 end
 
@@ -228,17 +270,17 @@ end
 local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   local sk = skey(mid, rank, pod)
   local old = redis.call('HGET', sk, ek)
-  if old and old ~= rk then drop_copy(pod, rank, ek, old, -1, compat) end
-  local bk = bkey(rk)
-  local tick = redis.call('INCR', P .. 'tick')
-  if redis.call('EXISTS', bk) == 0 then
-    redis.call('ZADD', LRU, tick, rk)
-    if redis.call('ZCARD', LRU) > cap then evict_one(compat) end
-  else
-    redis.call('ZADD', LRU, tick, rk)
+  if old and old ~= rk then
+    drop_copy(pod, rank, ek, old, -1, compat)
+    old = redis.call('HGET', sk, ek)
   end
+  local bk = bkey(rk)
+  -- a request key is in the LRU exactly while its block hash exists: a new member is a new block
+  local fresh = redis.call('ZADD', LRU, next_tick(), rk) == 1
+  if fresh and redis.call('ZCARD', LRU) > cap then evict_one(compat) end
   local rf = 'r:' .. rank .. ':' .. pod
-  local v = redis.call('HGET', bk, rf)
+  local v = false
+  if not fresh then v = redis.call('HGET', bk, rf) end
   if not v then
     redis.call('HSET', bk, rf, bitv .. ':' .. ek .. ':' .. mid)
   else
@@ -247,16 +289,53 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     if eek ~= ek then
       if redis.call('HGET', sk, eek) == rk then
         redis.call('HDEL', sk, eek)
-        redis.call('HINCRBY', N, 'entries', -1)
+        dent = dent - 1
         unref(eek, mid, compat)
       end
       eek = ek
     end
     redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
   end
-  local pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0')
+  local pm = 0
+  if not fresh then pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0') end
   set_pod_mask(rk, pod, bit.bor(pm, bitv))
-  link(pod, rank, mid, ek, rk, compat)
+  link(pod, rank, mid, ek, rk, compat, old)
+end
+
+-- forget what pod holds: rank ('' = every rank), mid ('' = every model, '-' = none);
+-- returns the entries removed (rank entries + held keys + speculative entries when the whole pod goes)
+local function clear_streams(pod, rank, mid, compat)
+  local n = 0
+  if mid ~= '-' then
+    for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
+      local c = string.find(s, ':', 1, true)
+      local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
+      if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
+        local sk = skey(smid, srank, pod)
+        local m = redis.call('HGETALL', sk)
+        redis.call('DEL', sk)
+        ps_rem(pod, s)
+        local rf = 'r:' .. srank .. ':' .. pod
+        for i = 1, #m, 2 do
+          local ek, rk = m[i], m[i + 1]
+          dent = dent - 1
+          unref(ek, smid, compat)
+          if redis.call('HDEL', bkey(rk), rf) == 1 then
+            n = n + 1
+            settle_pod(rk, pod)
+          end
+        end
+      end
+    end
+  end
+  if rank == '' and mid == '' then
+    n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
+    redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
+    redis.call('SREM', HPODS, pod)
+    redis.call('SREM', XPODS, pod)
+    has_spec[pod] = false
+  end
+  return n
 end
 
 local function resolve(pod, rank, mid, ek)
@@ -274,6 +353,7 @@ _STORE = r"""
 local pod, rank, mid, bitv, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local compat = ARGV[7] == '1'
 for i = 8, #ARGV, 2 do put(pod, rank, mid, ARGV[i], ARGV[i + 1], bitv, cap, compat) end
+flush_n()
 return {stored, evictions, confirmed}
 """
 
@@ -289,12 +369,68 @@ for i = 8, #ARGV do
   if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
   if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
 end
+flush_n()
 return {stored, evictions, confirmed, unknown}
 """
 
 # ARGV: P, pod, rank, mid, ek -> rk or false
 _RESOLVE = r"""
 return resolve(ARGV[2], ARGV[3], ARGV[4], ARGV[5]) or false
+"""
+
+# One publisher's run of events, in order (the write path's batch).
+# ARGV: P, pod, rank, mid, capacity, compat, then per event one op (engine / request keys as decimal
+# words separated by spaces):
+#   'S', bit, parent ek ('' = none), its request key, eks, rks   a store; applied only if the stream
+#                                                               still resolves the parent to that key
+#   'T', bit, eks                                               a token-less store
+#   'R', bit, eks                                               a removal
+#   'C'                                                         a clear of the stream (rank, mid)
+# -> {ops applied (stops before a store whose parent resolves otherwise), stored, evictions, confirmed,
+#     unknown (token-less), clears that removed something, {hit 0/1 per removed ek, in order}}
+_BATCH = r"""
+local pod, rank, mid, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local compat = ARGV[6] == '1'
+local done, unknown, clears = 0, 0, 0
+local hits = {}
+local i = 7
+while i <= #ARGV do
+  local op = ARGV[i]
+  if op == 'S' then
+    local bitv, pek = tonumber(ARGV[i + 1]), ARGV[i + 2]
+    if pek ~= '' and resolve(pod, rank, mid, pek) ~= ARGV[i + 3] then break end
+    local rks = {}
+    for w in string.gmatch(ARGV[i + 5], '%S+') do rks[#rks + 1] = w end
+    local k = 0
+    for ek in string.gmatch(ARGV[i + 4], '%S+') do
+      k = k + 1
+      put(pod, rank, mid, ek, rks[k], bitv, cap, compat)
+    end
+    i = i + 6
+  elseif op == 'T' then
+    local bitv = tonumber(ARGV[i + 1])
+    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+      local rk
+      if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
+      if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
+    end
+    i = i + 3
+  elseif op == 'R' then
+    local bitv = tonumber(ARGV[i + 1])
+    local sk = skey(mid, rank, pod)
+    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+      local rk = redis.call('HGET', sk, ek)
+      if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
+    end
+    i = i + 3
+  else
+    if clear_streams(pod, rank, mid, compat) > 0 then clears = clears + 1 end
+    i = i + 1
+  end
+  done = done + 1
+end
+flush_n()
+return {done, stored, evictions, confirmed, unknown, clears, hits}
 """
 
 # ARGV: P, pod, rank, mid ('' = model unknown here), bit, compat, ek... -> {hit 0/1 per ek}
@@ -311,43 +447,15 @@ for i = 7, #ARGV do
   end
   out[#out + 1] = hit
 end
+flush_n()
 return out
 """
 
 # ARGV: P, pod, rank ('' = every rank), mid ('' = every model, '-' = none), compat
 # -> entries removed (rank entries + held keys + speculative entries when the whole pod goes)
 _CLEAR = r"""
-local pod, rank, mid = ARGV[2], ARGV[3], ARGV[4]
-local compat = ARGV[5] == '1'
-local n = 0
-if mid ~= '-' then
-  for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
-    local c = string.find(s, ':', 1, true)
-    local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
-    if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
-      local sk = skey(smid, srank, pod)
-      local m = redis.call('HGETALL', sk)
-      redis.call('DEL', sk)
-      redis.call('SREM', pskey(pod), s)
-      local rf = 'r:' .. srank .. ':' .. pod
-      for i = 1, #m, 2 do
-        local ek, rk = m[i], m[i + 1]
-        redis.call('HINCRBY', N, 'entries', -1)
-        unref(ek, smid, compat)
-        if redis.call('HDEL', bkey(rk), rf) == 1 then
-          n = n + 1
-          settle_pod(rk, pod)
-        end
-      end
-    end
-  end
-end
-if rank == '' and mid == '' then
-  n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
-  redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
-  redis.call('SREM', HPODS, pod)
-  redis.call('SREM', XPODS, pod)
-end
+local n = clear_streams(ARGV[2], ARGV[3], ARGV[4], ARGV[5] == '1')
+flush_n()
 return n
 """
 
@@ -376,227 +484,6 @@ if added then
   end
 end
 return expired
-"""
-
-# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys...
-# -> {expired, pod1, {mask, run length, mask, run length, ...}, pod2, {...}, ...} (the masks run-length coded)
-_MATCH = r"""
-local now = now_arg(ARGV[2])
-local gpu = tonumber(ARGV[3])
-local touch = ARGV[4] == '1'
-local npods = tonumber(ARGV[5])
-local expired = reap(now)
-local cands = {}
-local kstart
-if npods < 0 then
-  local seen = {}
-  for _, p in ipairs(redis.call('HKEYS', PK)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
-  for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
-  for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do if not seen[p] then seen[p] = true; cands[#cands + 1] = p end end
-  kstart = 6
-else
-  local seen = {}
-  for i = 6, 5 + npods do
-    local p = ARGV[i]
-    if not seen[p] then seen[p] = true; cands[#cands + 1] = p end
-  end
-  kstart = 6 + npods
-end
--- per candidate: does it have held or speculative entries?
-local alive, held, spec, masks = {}, {}, {}, {}
-for _, p in ipairs(cands) do
-  local h = redis.call('EXISTS', hkey(p)) == 1
-  local x = redis.call('EXISTS', xkey(p)) == 1
-  if h or x or redis.call('HEXISTS', PK, p) == 1 then
-    alive[#alive + 1] = p
-    held[p] = h
-    spec[p] = x
-    masks[p] = {}
-  end
-end
-local nkeys = #ARGV - kstart + 1
-local longest = 0
--- per pod: HMGET of its masks in growing chunks (64, 128, ...) until its first miss
-for _, p in ipairs(alive) do
-  local ms = masks[p]
-  local i, chunk, done = 0, 64, false
-  while not done and i < nkeys do
-    local n = math.min(chunk, nkeys - i)
-    local vals = redis.call('HMGET', pmkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1))
-    local hv = nil
-    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(ARGV, kstart + i, kstart + i + n - 1)) end
-    for j = 1, n do
-      local m = vals[j]
-      if m then m = tonumber(m) else m = nil end
-      if hv and hv[j] then m = bit.bor(m or 0, tonumber(hv[j])) end
-      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), ARGV[kstart + i + j - 1]) then m = gpu end
-      if m == nil then done = true; break end
-      ms[#ms + 1] = m
-    end
-    i = i + n
-    chunk = chunk * 2
-  end
-  if #ms > longest then longest = #ms end
-end
-if touch and longest > 0 then
-  local top = redis.call('INCRBY', P .. 'tick', longest)
-  local k = 1
-  while k <= longest do
-    local args = {'XX'}
-    local stop = math.min(longest, k + 255)
-    for q = k, stop do
-      args[#args + 1] = top - longest + q
-      args[#args + 1] = ARGV[kstart + q - 1]
-    end
-    redis.call('ZADD', LRU, unpack(args))
-    k = stop + 1
-  end
-end
-local out = {expired}
-for _, p in ipairs(cands) do
-  local ms = masks[p]
-  if ms and #ms > 0 then
-    local rle = {}
-    local cur, run = ms[1], 0
-    for _, m in ipairs(ms) do
-      if m == cur then run = run + 1 else
-        rle[#rle + 1] = cur; rle[#rle + 1] = run
-        cur, run = m, 1
-      end
-    end
-    rle[#rle + 1] = cur; rle[#rle + 1] = run
-    out[#out + 1] = p
-    out[#out + 1] = rle
-  end
-end
-return out
-"""
-
-# ARGV: P, now, keys... -> {expired, per key {{pod, rank, mask, ...}, {held pod, mask, ...}, {spec pods}}}
-_LOOKUP = r"""
-local now = now_arg(ARGV[2])
-local expired = reap(now)
-local hpods = redis.call('SMEMBERS', HPODS)
-local xpods = redis.call('SMEMBERS', XPODS)
-local out = {expired}
-for i = 3, #ARGV do
-  local rk = ARGV[i]
-  local all = redis.call('HGETALL', bkey(rk))
-  local r = {}
-  for j = 1, #all, 2 do
-    local rank, pod = parse_rfield(all[j])
-    if rank then
-      local mask = parse_entry(all[j + 1])
-      r[#r + 1] = pod
-      r[#r + 1] = rank
-      r[#r + 1] = mask
-    end
-  end
-  local h = {}
-  for _, pod in ipairs(hpods) do
-    local m = redis.call('HGET', hkey(pod), rk)
-    if m then h[#h + 1] = pod; h[#h + 1] = m end
-  end
-  local x = {}
-  for _, pod in ipairs(xpods) do
-    if redis.call('ZSCORE', xkey(pod), rk) then x[#x + 1] = pod end
-  end
-  out[#out + 1] = {r, h, x}
-end
-return out
-"""
-
-# ARGV: P, pod, keys... -> best rank (string) or false
-_BEST_RANK = r"""
-local pod = ARGV[2]
-local ranks, seen = {}, {}
-for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
-  local r = string.sub(s, string.find(s, ':', 1, true) + 1)
-  if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
-end
-if #ranks == 0 or #ARGV < 3 then return false end
-if #ranks == 1 then
-  -- one rank holds every block of the pod
-  if redis.call('HEXISTS', bkey(ARGV[3]), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
-  return false
-end
-local alive = ranks
-local best = false
-for i = 3, #ARGV do
-  local fl = {}
-  for j, r in ipairs(alive) do fl[j] = 'r:' .. r .. ':' .. pod end
-  local vals = redis.call('HMGET', bkey(ARGV[i]), unpack(fl))
-  local nxt = {}
-  for j, r in ipairs(alive) do if vals[j] then nxt[#nxt + 1] = r end end
-  if #nxt == 0 then break end
-  alive = nxt
-  local b = nil
-  for _, r in ipairs(alive) do
-    if b == nil or tonumber(r) < tonumber(b) then b = r end
-  end
-  best = b
-end
-return best
-"""
-
-# ARGV: P, mid ('' = every model in level-2 order), compat, ek -> rk or false
-_REQUEST_KEY_OF = r"""
-local mid, compat, ek = ARGV[2], ARGV[3] == '1', ARGV[4]
-if compat then
-  for _, pod in ipairs(redis.call('HKEYS', PK)) do
-    for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
-      local c = string.find(s, ':', 1, true)
-      local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
-      if (mid == '' or smid == mid) and redis.call('HEXISTS', skey(smid, srank, pod), ek) == 1 then return ek end
-    end
-  end
-  return false
-end
-local mids
-if mid == '' then mids = redis.call('ZRANGE', L2ORDER, 0, -1) else mids = {mid} end
-for _, m in ipairs(mids) do
-  local v = redis.call('HGET', ekey(m), ek)
-  if v then return string.sub(v, 1, string.find(v, ':', 1, true) - 1) end
-end
-return false
-"""
-
-# ARGV: P, pod, rank ('' = every rank) -> request keys
-_POD_KEYS = r"""
-local pod, rank = ARGV[2], ARGV[3]
-local out, seen = {}, {}
-for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
-  local c = string.find(s, ':', 1, true)
-  local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
-  if rank == '' or srank == rank then
-    for _, rk in ipairs(redis.call('HVALS', skey(smid, srank, pod))) do
-      if not seen[rk] then seen[rk] = true; out[#out + 1] = rk end
-    end
-  end
-end
-return out
-"""
-
-# ARGV: P -> {{pods with blocks...}, {held pods...}, {pods with speculative entries...}}
-# (three lists: a pod id may be any string, the empty one included)
-_PODS = r"""
-local held, spec = {}, {}
-for _, p in ipairs(redis.call('SMEMBERS', HPODS)) do
-  -- held entries expire with the key (held_ttl): the set member outlives them
-  if redis.call('EXISTS', hkey(p)) == 1 then held[#held + 1] = p else redis.call('SREM', HPODS, p) end
-end
-for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do
-  if redis.call('EXISTS', xkey(p)) == 1 then spec[#spec + 1] = p end
-end
-return {redis.call('HKEYS', PK), held, spec}
-"""
-
-# ARGV: P -> {keys, entries, engine_keys, pods, speculative}
-_STATS = r"""
-local spec = 0
-for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do spec = spec + redis.call('ZCARD', xkey(p)) end
-return {redis.call('ZCARD', LRU), tonumber(redis.call('HGET', N, 'entries') or '0'),
-        tonumber(redis.call('HGET', N, 'engine_keys') or '0'), redis.call('HLEN', PK), spec}
 """
 
 # ARGV: P, pod, bit, keep (ms, 0 = no key TTL), rk...
@@ -658,20 +545,14 @@ SCRIPTS: dict[str, str] = {
     name: _COMMON + body
     for name, body in {
         "store": _STORE,
+        "batch": _BATCH,
         "tokenless": _TOKENLESS,
         "resolve": _RESOLVE,
         "remove": _REMOVE,
         "clear": _CLEAR,
         "speculative": _SPECULATIVE,
-        "match": _MATCH,
-        "lookup": _LOOKUP,
-        "best_rank": _BEST_RANK,
-        "request_key_of": _REQUEST_KEY_OF,
-        "pod_keys": _POD_KEYS,
-        "pods": _PODS,
-        "stats": _STATS,
         "add_held": _ADD_HELD,
         "remove_held": _REMOVE_HELD,
         "model_id": _MODEL_ID,
     }.items()
-}
+} | {name: _COMMON + body for name, body in READ_SCRIPTS.items()}

@@ -27,7 +27,9 @@ from hypothesis.stateful import initialize, run_state_machine_as_test
 
 import tests.test_index as reference_cases
 import tests.test_native_index as native_cases
+from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvindex.facade import Config, Indexer
+from kvindex.keys import TokenProcessor
 from kvindex import make_index
 from kvindex.reference import KVBlockIndex
 from kvindex.contract import KVIndex
@@ -174,3 +176,35 @@ def test_indexer_scores_as_the_reference(redis_url, stores, path, extra_tokens, 
     tokens = np.array(list(U.paths[path]) + list(range(extra_tokens)), dtype=np.int64)
     a, b = (ix.score(tokens, pods) for ix in ixs)
     assert a == b
+
+
+def test_a_chained_batch_is_one_script_call(redis_url):
+    """A stream's decoded batch of chained stores (and the next batch continuing it) costs one script call
+    each, and leaves the reference's state."""
+    kinds = (BlockStored, BlockRemoved, AllBlocksCleared)
+    ref = KVBlockIndex(TokenProcessor(block_size=BS))
+    ix = fresh(redis_url)(TokenProcessor(block_size=BS))
+    path = max(range(len(U.paths)), key=U.n_blocks)
+    n = U.n_blocks(path)
+    assert n >= 4
+    cuts = [0, 1, n // 2, n - 1, n]
+    evs = [
+        BlockStored(tuple(U.ek(path, k) for k in range(i, j)), None if i == 0 else U.ek(path, i - 1),
+                    tuple(U.tokens(path, i, j)), BS, "gpu")
+        for i, j in itertools.pairwise(cuts)
+    ]
+    calls = []
+    run = ix._run
+    ix._run = lambda name, *a, **kw: (calls.append(name), run(name, *a, **kw))[1]
+    for index in (ref, ix):
+        index.apply_events("p", 0, evs[:2], model="m", kinds=kinds)
+    first = [c for c in calls if c == "batch"]
+    calls.clear()
+    for index in (ref, ix):
+        index.apply_events("p", 0, evs[2:] + [BlockRemoved((U.ek(path, n - 1),), "gpu")], model="m", kinds=kinds)
+    assert first == ["batch"] and calls == ["batch"]
+    keys = ref.token_processor.request_keys(np.array(U.paths[path][: n * BS]), model="m")
+    want = ref.prefix_match(keys)
+    assert len(want["p"]) == n - 1  # the last block was removed
+    assert ix.prefix_match(keys) == want
+    assert ix.lookup(keys) == ref.lookup(keys)
