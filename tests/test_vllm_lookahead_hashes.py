@@ -10,12 +10,17 @@ tests run without vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvevents.misconfig import HASH_ALGORITHM, ConfigCheck
 from kvevents.wire import decode_vllm_batch
@@ -155,3 +160,33 @@ def test_score_leaves_the_prompt_tail_out() -> None:
         s = ix.score(case["tokens"][:34], ["pod-a"])
         assert s.request_blocks == 1
         assert ix.score(case["tokens"][:35], ["pod-a"]).request_blocks == 2
+
+
+# --- plain restatement of the lookahead formula, driven by hypothesis ----------
+
+
+def _h(algorithm: str, obj: Any) -> bytes:
+    if algorithm == "vllm_sha256":
+        return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def _oracle(algorithm: str, bs: int, la: int, tokens: list[int], salt: str | None) -> list[int]:
+    """H((parent, block tokens, (tagged extras or None, *next la tokens))) for every block la tokens follow."""
+    parent = _h(algorithm, "vllm-none-hash")
+    out = []
+    for i in range((len(tokens) - la) // bs if len(tokens) >= la else 0):
+        tagged = (("cache_salt", salt),) if i == 0 and salt else None
+        ek = (tagged, *tokens[(i + 1) * bs:(i + 1) * bs + la]) if la else tagged
+        parent = _h(algorithm, (parent, tuple(tokens[i * bs:(i + 1) * bs]), ek))
+        out.append(int.from_bytes(parent[-8:], "big"))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(algorithm=st.sampled_from(["vllm_sha256_cbor", "vllm_sha256"]), bs=st.integers(1, 6), la=st.integers(0, 7),
+       tokens=st.lists(st.integers(0, 2**32), max_size=30), salt=st.none() | st.sampled_from(["s", "tenant-7"]))
+def test_lookahead_keys_equal_plain_formula(algorithm: str, bs: int, la: int, tokens: list[int],
+                                            salt: str | None) -> None:
+    tp = TokenProcessor(bs, algorithm=algorithm, hash_lookahead_tokens=la)
+    assert tp.request_keys(tokens, cache_salt=salt).tolist() == _oracle(algorithm, bs, la, tokens, salt)
