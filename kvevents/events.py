@@ -20,8 +20,8 @@ __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "Event", "EventBat
 class BlockStored(msgspec.Struct, frozen=True, gc=False):
     """A pod stored ``len(block_hashes)`` consecutive full blocks in one tier.
 
-    Mirrors vllm/distributed/kv_events.py ``BlockStored`` (vLLM 0.32) and
-    SGLang's python/sglang/srt/disaggregation/kv_events.py ``BlockStored``.
+    Mirrors vllm/distributed/kv_events.py ``BlockStored`` (vLLM 0.32; 0.33
+    and 0.34 add ``lookahead_token_ids``) and SGLang's python/sglang/srt/disaggregation/kv_events.py ``BlockStored``.
 
     Attributes:
         block_hashes: engine keys of the stored blocks, in sequence order, as
@@ -57,6 +57,10 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
         cache_salt: the request's cache salt when the engine sends it as its
             own field (SGLang's BlockStored metadata); vLLM puts the salt in
             ``extra_keys`` instead and leaves this None.
+        lookahead_token_ids: per block, the tokens after it that its hash also
+            covers (vLLM 0.33+ lookahead hashing, EAGLE-style speculative
+            decoding), one tuple per ``block_hashes`` entry; None when the
+            engine hashes without lookahead (vLLM 0.32, or the option off).
     """
 
     block_hashes: tuple[int, ...]
@@ -74,6 +78,7 @@ class BlockStored(msgspec.Struct, frozen=True, gc=False):
     ownership: str | None = None
     session_id: str | None = None
     cache_salt: str | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def sparse(self) -> bool:

@@ -86,7 +86,8 @@ class ConfigCheck:
                 for seed in dict.fromkeys([tp.engine_hash_seed, None]):
                     if algo == tp.algorithm and seed == tp.engine_hash_seed:
                         continue
-                    alt = TokenProcessor(tp.block_size, algorithm=algo, engine_hash_seed=seed)
+                    alt = TokenProcessor(tp.block_size, algorithm=algo, engine_hash_seed=seed,
+                                         hash_lookahead_tokens=tp.hash_lookahead_tokens)
                     out.append((alt, f"algorithm: {algo}, engine_hash_seed: {seed!r}"))
             self._alternatives = out
         return self._alternatives
@@ -183,8 +184,18 @@ class StreamCheck:
                 return
 
     def _hashes(self, tp: TokenProcessor, ev: BlockStored) -> None:
-        """Compare the engine's hash of a sequence's first block with ours for the same tokens."""
-        first = ev.token_ids[: tp.block_size]
+        """Compare the engine's hash of a sequence's first block with ours for the same tokens
+        (and the lookahead tokens vLLM 0.33+ hashed with it)."""
+        ahead = tuple(ev.lookahead_token_ids[0]) if ev.lookahead_token_ids else ()
+        if len(ahead) != tp.hash_lookahead_tokens:
+            self._set(HASH_ALGORITHM, (
+                f"{self.pod}: the engine hashes each block with the {len(ahead)} tokens after it "
+                f"(lookahead_token_ids), token_processor_config.hash_lookahead_tokens is "
+                f"{tp.hash_lookahead_tokens}, so no prompt matches: set "
+                f"token_processor_config.hash_lookahead_tokens: {len(ahead)}"
+            ))
+            return
+        first = tuple(ev.token_ids[: tp.block_size]) + ahead
         want = ev.block_hashes[0]
         if int(tp.request_keys(first)[0]) == want:
             self._hash_ok = True

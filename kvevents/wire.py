@@ -5,7 +5,7 @@ Write path, first step: the subscriber hands each message's three frames
 and :func:`decode_vllm_batch`; the pool applies the resulting
 :class:`~kvevents.events.EventBatch` to the index.
 
-Mirrors vllm/distributed/kv_events.py of vLLM 0.32 (``KVEventBatch``,
+Mirrors vllm/distributed/kv_events.py of vLLM 0.32 to 0.34 (``KVEventBatch``,
 ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
 ``ZmqEventPublisher``) and the older positional layout:
 
@@ -20,7 +20,8 @@ Mirrors vllm/distributed/kv_events.py of vLLM 0.32 (``KVEventBatch``,
 * BlockStored field order: block_hashes, parent_block_hash, token_ids,
   block_size, lora_id, medium, lora_name, extra_keys, group_idx,
   kv_cache_spec_kind, kv_cache_spec_sliding_window, locality, ownership,
-  session_id.  BlockRemoved: block_hashes, medium, group_idx, locality,
+  session_id, lookahead_token_ids (vLLM 0.33 and 0.34, map form only: one
+  token list per block, nil without lookahead hashing).  BlockRemoved: block_hashes, medium, group_idx, locality,
   ownership.  AllBlocksCleared: none.
 
 Both encodings decode to identical domain events.  Decoding uses msgspec
@@ -87,6 +88,7 @@ class PayloadError(ValueError):
     * ``"token_ids"``: ``len(token_ids) != block_size * len(block_hashes)``
       for a BlockStored that carries tokens (or a malformed SGLang bigram).
     * ``"extra_keys"``: extra_keys not one entry per block, or holding a map.
+    * ``"lookahead"``: lookahead_token_ids not one entry per block.
     * ``"seq"``: a sequence-number frame that is not 8 bytes.
     * ``"internal"``: an unexpected failure inside the decoder (a bug here;
       the message is dropped like any other bad one).
@@ -237,7 +239,9 @@ class _VllmRemovedFields(msgspec.Struct, gc=False):
 
 
 class _VllmMapStored(_VllmStoredFields, tag_field="type", tag="BlockStored"):
-    pass
+    # vLLM 0.33+ (kv_events.py l.98); map form only: the positional form predates it, and a
+    # positional event's trailing fields beyond session_id stay ignored
+    lookahead_token_ids: tuple[tuple[_Token, ...] | None, ...] | None = None
 
 
 class _VllmMapRemoved(_VllmRemovedFields, tag_field="type", tag="BlockRemoved"):
@@ -283,6 +287,9 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
     if parent is not None and (type(parent) is not int or parent < 0):
         parent = normalize_block_hash(parent)
     ek = ev.extra_keys
+    la = getattr(ev, "lookahead_token_ids", None)
+    if la is not None:
+        la = _lookahead(la, len(hashes))
     return BlockStored(
         hashes,
         parent,
@@ -298,7 +305,20 @@ def _vllm_stored(ev: _VllmStoredFields) -> BlockStored:
         ev.locality,
         ev.ownership,
         ev.session_id,
+        None,
+        la,
     )
+
+
+def _lookahead(
+    la: tuple[tuple[int, ...] | None, ...], n_blocks: int
+) -> tuple[tuple[int, ...], ...] | None:
+    """vLLM 0.33's per-block lookahead tokens: one entry per block (an empty list is no lookahead)."""
+    if not la and n_blocks:
+        return None
+    if len(la) != n_blocks:
+        raise PayloadError("lookahead", f"{len(la)} lookahead_token_ids entries for {n_blocks} blocks")
+    return tuple([() if t is None else t for t in la])
 
 
 def _vllm_removed(ev: _VllmRemovedFields) -> BlockRemoved:

@@ -117,6 +117,17 @@ and ``sha256(cbor2.dumps(obj, canonical=True))`` for ``"vllm_sha256_cbor"``.
   then ``("mm", identifier, offset)`` per item, then ``("cache_salt", salt)``
   (block 0), then ``("prompt_embeds", digest)``.
 * Published key: the last 8 bytes of ``h_i`` read big-endian.
+* Lookahead (``hash_lookahead_tokens`` L > 0; vLLM 0.33+ with EAGLE-style
+  speculative decoding, vllm/v1/core/kv_cache_utils.py
+  ``get_request_block_hasher``): block i is hashed only once the L tokens after
+  it exist, and its hash input becomes ``(h_{i-1} or NONE_HASH,
+  tuple(block_i_tokens), (extras_i, *next_L_tokens))`` (``extras_i`` may be
+  None).  A prompt of N tokens gets ``(N - L) // block_size`` keys.  Each
+  block's extras then cover the block and its L lookahead tokens, as the
+  engine's events carry them (a multimodal item starting within those tokens
+  belongs to the block, its offset counted from the block's start).  With
+  ``"xxh3_chain"`` the option only drops the tail blocks (own keys cannot see
+  the lookahead tokens).
 
 ``hash_seed`` and ``model`` play no part (vLLM's hash has neither).  LoRA: the
 engine hashes the adapter *path* as well as its name, and events carry only the
@@ -153,6 +164,8 @@ import cbor2
 import msgspec
 import numpy as np
 import xxhash
+
+from kvindex.key_extras import _fresh, _normalise_extras
 
 __all__ = [
     "ALGORITHMS",
@@ -339,80 +352,6 @@ def _tokens_to_u64(tokens: Any) -> np.ndarray:
     return np.frombuffer(buf, dtype=np.uint64)
 
 
-def _check_extra_item(item: Any) -> None:
-    if isinstance(item, (str, bytes)):
-        return
-    if isinstance(item, (tuple, list)) and len(item) == 2:
-        ident, offset = item
-        if isinstance(ident, str) and isinstance(offset, int) and not isinstance(offset, bool):
-            return
-    raise TypeError(
-        "an extra key is (mm_identifier: str, offset: int), a salt str or a digest bytes; "
-        f"got {item!r}"
-    )
-
-
-def _block_extras(entry: Any) -> tuple[Any, ...] | None:
-    """Validate one block's extras; None for no extras."""
-    if entry is None:
-        return None
-    if isinstance(entry, (str, bytes)) or not isinstance(entry, (tuple, list)):
-        raise TypeError(f"a block's extra keys must be None or a list/tuple, got {entry!r}")
-    for item in entry:
-        _check_extra_item(item)
-    return tuple(entry) or None
-
-
-def _with_salt(extras: tuple[Any, ...] | None, salt: str) -> tuple[Any, ...]:
-    """Insert the salt where vLLM puts it: after mm pairs, before embeds digests."""
-    items = list(extras or ())
-    if any(isinstance(x, str) for x in items):
-        raise ValueError("block 0's extra keys already hold a salt and cache_salt was given")
-    pos = next((k for k, x in enumerate(items) if isinstance(x, bytes)), len(items))
-    items.insert(pos, salt)
-    return tuple(items)
-
-
-def _normalise_extras(
-    block_extra_keys: Any,
-    n_blocks: int,
-    n_allowed: tuple[int, ...],
-    cache_salt: str | None,
-) -> list[tuple[Any, ...] | None] | None:
-    """Per-block extras for the first ``n_blocks`` blocks, or None if no block has any."""
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be str or None, got {type(cache_salt).__name__}")
-    if block_extra_keys is None:
-        if not cache_salt or n_blocks == 0:
-            return None
-        out: list[tuple[Any, ...] | None] = [None] * n_blocks
-    else:
-        if isinstance(block_extra_keys, (str, bytes)) or not isinstance(
-            block_extra_keys, Sequence
-        ):
-            raise TypeError("block_extra_keys must be a sequence with one entry per block")
-        if len(block_extra_keys) not in n_allowed:
-            raise ValueError(
-                f"block_extra_keys has {len(block_extra_keys)} entries, expected "
-                + " or ".join(str(k) for k in sorted(set(n_allowed)))
-            )
-        out = [_block_extras(e) for e in block_extra_keys[:n_blocks]]
-        for e in block_extra_keys[n_blocks:]:
-            _block_extras(e)
-    if cache_salt and n_blocks:
-        out[0] = _with_salt(out[0], cache_salt)
-    if all(e is None for e in out):
-        return None
-    return out
-
-
-def _fresh(x: Any) -> Any:
-    """An equal str/bytes that is a distinct object (pickle memoises by identity)."""
-    if isinstance(x, (str, bytes)) and len(x) > 1:
-        return x[:1] + x[1:]
-    return x
-
-
 # ---------------------------------------------------------------------------
 
 
@@ -428,6 +367,10 @@ class TokenProcessor:
     from ``"vllm-none-hash"``, vllm/v1/core/kv_cache_utils.py
     ``resolve_none_hash_seed``, vLLM 0.32).  ``lora_paths``: adapter name ->
     adapter path, used by the compat algorithms for a ``lora`` given by name.
+    ``hash_lookahead_tokens``: the engines' ``num_hash_lookahead_tokens`` L
+    (vLLM 0.33+ config/vllm.py; 0 = no lookahead, the keys of vLLM 0.32): a
+    block gets a key only when L tokens follow it, and in compat mode its key
+    covers them (module docstring).
 
     Raises ValueError for ``block_size < 1``, an unknown algorithm or an int
     seed out of range; TypeError for wrongly typed arguments.
@@ -448,6 +391,7 @@ class TokenProcessor:
         engine_hash_seed: str | None = None,
         *,
         lora_paths: Mapping[str, str] | None = None,
+        hash_lookahead_tokens: int = 0,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool):
             raise TypeError(f"block_size must be int, got {type(block_size).__name__}")
@@ -461,6 +405,11 @@ class TokenProcessor:
             raise ValueError(f"an int hash_seed must be in [0, 2**64), got {hash_seed}")
         if engine_hash_seed is not None and not isinstance(engine_hash_seed, str):
             raise TypeError("engine_hash_seed must be a str (a PYTHONHASHSEED value) or None")
+        if not isinstance(hash_lookahead_tokens, int) or isinstance(hash_lookahead_tokens, bool):
+            raise TypeError(f"hash_lookahead_tokens must be int, got {type(hash_lookahead_tokens).__name__}")
+        if hash_lookahead_tokens < 0:
+            raise ValueError(f"hash_lookahead_tokens must be >= 0, got {hash_lookahead_tokens}")
+        self.hash_lookahead_tokens = hash_lookahead_tokens
         self.block_size = block_size
         self.algorithm = algorithm
         self.engine_compatible = algorithm != "xxh3_chain"
@@ -493,9 +442,10 @@ class TokenProcessor:
             self._none_hash: bytes = self._H(none_seed)
 
     def __repr__(self) -> str:
+        ahead = f", hash_lookahead_tokens={self.hash_lookahead_tokens}" if self.hash_lookahead_tokens else ""
         return (
             f"TokenProcessor(block_size={self.block_size}, algorithm={self.algorithm!r}, "
-            f"engine_hash_seed={self.engine_hash_seed!r})"
+            f"engine_hash_seed={self.engine_hash_seed!r}{ahead})"
         )
 
     # -- public API ---------------------------------------------------------
@@ -521,7 +471,9 @@ class TokenProcessor:
         them.  ``cache_salt`` goes into block 0's extras like vLLM does.
 
         In compat mode the keys are vLLM's block hashes (uint64 form) for the
-        same tokens, extras, salt and LoRA (which then needs its path).
+        same tokens, extras, salt and LoRA (which then needs its path).  With
+        ``hash_lookahead_tokens`` L, only ``(len(tokens) - L) // block_size``
+        blocks get a key (the engine hashes no block before L tokens follow it).
 
         Raises TypeError for wrongly typed tokens/extras, ValueError for
         negative token ids, a wrong number of extras entries, a salt given
@@ -529,12 +481,12 @@ class TokenProcessor:
         """
         toks = _tokens_to_u64(tokens)
         bs = self.block_size
-        n = toks.shape[0] // bs
-        allowed = (n, -(-toks.shape[0] // bs))
+        n = max(toks.shape[0] - self.hash_lookahead_tokens, 0) // bs
+        allowed = (n, toks.shape[0] // bs, -(-toks.shape[0] // bs))
         extras = _normalise_extras(block_extra_keys, n, allowed, cache_salt)
         self._check_scope(model, lora)
         if self.engine_compatible:
-            digests = self._engine_digests(None, toks[: n * bs], extras, lora)
+            digests = self._engine_digests(None, toks, extras, lora, n)
             return np.array([digest_to_key(d) for d in digests], dtype=np.uint64)
         if n == 0:
             return _EMPTY.copy()
@@ -588,10 +540,15 @@ class TokenProcessor:
             raise TypeError(f"parent_key must be int, bytes or None, got {type(parent_key).__name__}")
         self._check_scope(model, lora)
         if self.engine_compatible:
+            if self.hash_lookahead_tokens:
+                raise NotImplementedError(
+                    f"{self.algorithm} with hash_lookahead_tokens: a block's key covers tokens after "
+                    "it, so chain() over whole blocks cannot compute it; use request_keys()"
+                )
             if parent_key is None or isinstance(parent_key, bytes):
                 if isinstance(parent_key, bytes) and len(parent_key) != 32:
                     raise ValueError(f"a parent digest has 32 bytes, got {len(parent_key)}")
-                digests = self._engine_digests(parent_key, toks, extras, lora)
+                digests = self._engine_digests(parent_key, toks, extras, lora, n)
                 return np.array([digest_to_key(d) for d in digests], dtype=np.uint64)
             raise NotImplementedError(
                 f"{self.algorithm}: an engine's uint64 block hash keeps 64 of 256 digest bits, "
@@ -637,10 +594,11 @@ class TokenProcessor:
             raise ValueError("cache_salt applies to a sequence's first block, not after a parent")
         toks = _tokens_to_u64(tokens)
         bs = self.block_size
-        n = toks.shape[0] // bs
-        extras = _normalise_extras(block_extra_keys, n, (n, -(-toks.shape[0] // bs)), cache_salt)
+        n = max(toks.shape[0] - self.hash_lookahead_tokens, 0) // bs
+        allowed = (n, toks.shape[0] // bs, -(-toks.shape[0] // bs))
+        extras = _normalise_extras(block_extra_keys, n, allowed, cache_salt)
         self._check_scope(None, lora)
-        return self._engine_digests(parent_digest, toks[: n * bs], extras, lora)
+        return self._engine_digests(parent_digest, toks, extras, lora, n)
 
     # -- xxh3_chain internals ------------------------------------------------
 
@@ -765,10 +723,13 @@ class TokenProcessor:
         toks: np.ndarray,
         extras: list[tuple[Any, ...] | None] | None,
         lora: str | tuple[str, str] | None,
+        n: int,
     ) -> list[bytes]:
+        """Digests of the first ``n`` blocks of ``toks`` (which holds their lookahead tokens too)."""
         bs = self.block_size
-        n = toks.shape[0] // bs
+        la = self.hash_lookahead_tokens
         rows = toks[: n * bs].reshape(n, bs).tolist()
+        ahead = toks[bs : n * bs + la].tolist() if la and n else None
         lora_tag = self._lora_tag(lora)
         H = self._H
         prev = parent or self._none_hash
@@ -783,7 +744,10 @@ class TokenProcessor:
                         tagged.append((_TAG_EMBEDS, _fresh(item)))
                     else:
                         tagged.append((_TAG_MM, _fresh(item[0]), item[1]))
-            prev = H((prev, tuple(row), tuple(tagged) if tagged else None))
+            ek = tuple(tagged) if tagged else None
+            if ahead is not None:  # (E, *the L tokens after the block), vLLM 0.33 get_request_block_hasher
+                ek = (ek, *ahead[i * bs : i * bs + la])
+            prev = H((prev, tuple(row), ek))
             out.append(prev)
         return out
 

@@ -178,3 +178,19 @@ def test_fuzz_params_objects(obj):
 
 def test_prefill_request_params_is_msgspec_struct():
     assert isinstance(PrefillRequestParams(), msgspec.Struct)
+
+
+def test_vllm033_remote_registration_generation_passes_through():
+    # vLLM 0.33's NixlConnector adds remote_registration_generation to P's answer (pull_scheduler.py
+    # l.291; D reads it with default 0, metadata.py l.343): unknown here, it must reach D unchanged,
+    # in a JSON body and on a stream's finish chunk (chat_completion/serving.py l.821)
+    answer = {**P_ANSWER, "remote_registration_generation": 3}
+    p = parse_params(answer)
+    assert p is not None and p.extra == {"remote_registration_generation": 3}
+    d = decode_request_params(p)
+    assert d.to_dict() == answer
+    body = json.dumps({"id": "cmpl-1", "choices": [], "kv_transfer_params": answer})
+    assert params_from_json_body(body).to_dict() == answer
+    finish = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "kv_transfer_params": answer}
+    lines = ["data: " + json.dumps({"id": "c", "choices": []}), "", "data: " + json.dumps(finish), "", "data: [DONE]"]
+    assert decode_request_params(params_from_sse(lines)).to_dict() == answer

@@ -74,6 +74,10 @@ class TokenProcessorConfig(_Base, frozen=True):
         (None: vLLM's default seed string).
     lora_paths: for the vllm_* algorithms, LoRA adapter name -> the path the
         engines loaded it from (vLLM hashes the path too).
+    hash_lookahead_tokens: the engines' ``num_hash_lookahead_tokens`` (vLLM
+        0.33+ with EAGLE-style speculative decoding and prefix caching): each
+        block's hash covers that many following tokens and the prompt's last
+        blocks are not hashed; 0 (default) for engines without it.
     """
 
     block_size: int = 16
@@ -81,10 +85,13 @@ class TokenProcessorConfig(_Base, frozen=True):
     algorithm: str = "xxh3_chain"
     engine_hash_seed: str | None = None
     lora_paths: dict[str, str] = msgspec.field(default_factory=dict)
+    hash_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.hash_lookahead_tokens < 0:
+            raise ValueError(f"hash_lookahead_tokens must be >= 0, got {self.hash_lookahead_tokens}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
 

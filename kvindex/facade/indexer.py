@@ -167,6 +167,7 @@ class Indexer:
                 algorithm=tpc.algorithm,
                 engine_hash_seed=tpc.engine_hash_seed,
                 lora_paths=tpc.lora_paths,
+                hash_lookahead_tokens=tpc.hash_lookahead_tokens,
             )
         )
         self.index: KVIndex = index if index is not None else self._build_index()
@@ -207,7 +208,10 @@ class Indexer:
         self._configured_pods: frozenset[str] = frozenset([e.pod for e in ev.engines] + list(ev.bind_replay))
         self._model_warned: set[str | None] = set()
         self._model_seen: set[str | None] = set()
-        self._token_match = isinstance(self.index, TokenMatch)  # checked once: score() is a hot path
+        # checked once: score() is a hot path; lookahead keys leave out the prompt's tail, which
+        # the compiled token match does not know
+        self._token_match = isinstance(self.index, TokenMatch) and not getattr(
+            self.token_processor, "hash_lookahead_tokens", 0)
         self._grouped = isinstance(self.index, GroupAware)  # hybrid models: matches bounded by the hit rule
         self.truth = PredictionTruth()  # predicted vs engine-confirmed cached tokens (report_cached)
         self._truth_lock = threading.Lock()
