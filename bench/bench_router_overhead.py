@@ -1,0 +1,270 @@
+"""The reference router's own overhead per request, beside llm-d's published EPP figure.
+
+The reference router (examples/router: ``Router`` and its aiohttp app,
+scoring two pods) runs in front of a fake engine that answers at once
+(aiohttp, in its own thread and event loop). A client sends each chat request
+to the router and, paired with it, straight to the fake engine; the router's
+added latency is the difference of the two round trips (receive -> tokens ->
+score -> forward -> relay the answer, the engine excluded).
+
+Prompts of about 1k, 8k, 32k and 100k tokens (a ChatML conversation of
+~250-token turns, the tokenizer of bench/bench_tokenize.py). Per size:
+
+- ``single``: a cold request (a conversation the router has not seen);
+- ``multi``: the conversation's next turn (two new messages) right after the
+  previous one, the multi-turn cache warm;
+
+each with the router's own tokenizer (``library``) and with no tokenizer
+configured (``/tokenize``: the router asks the engine's POST /tokenize). The
+fake engine's /tokenize makes the tokenizer-library calls vLLM makes for it
+(transformers' ``apply_chat_template(..., tokenize=False)`` then the fast
+tokenizer's encode of the text); its CPU time counts as router overhead, as a
+real engine's would. p50 and p99 in milliseconds, with the date, machine,
+load average and CPU affinity; writes bench/out/router_overhead.json.
+
+Reference row: llm-d's EPP, as published (p50 2-3 ms, p95 4.8-6.8 ms at
+100k-token prompts, 10 QPS; not measured here).
+Run: ``.venv/bin/python bench/bench_router_overhead.py [--reps 200] [--cold-reps 20]``
+(``taskset -c 1`` in front pins it to one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from aiohttp import web  # noqa: E402
+
+from bench.bench_tokenize import WORDS, conversation, tokenizer_dir  # noqa: E402
+
+OUT = ROOT / "bench" / "out" / "router_overhead.json"
+TARGETS = (1_000, 8_000, 32_000, 100_000)
+MODEL = "tiny-llama"
+LLMD_EPP = {"source": "llm-d EPP, published", "tokens": 100_000, "qps": 10,
+            "p50_ms": "2-3", "p95_ms": "4.8-6.8"}
+METRICS = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
+ANSWER = {"id": "x", "object": "chat.completion", "model": MODEL,
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}}
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread; :meth:`run` waits for a coroutine on it."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 600.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+def fake_engine_app(model_dir: Path) -> web.Application:
+    """An engine that answers every completion at once and tokenizes as vLLM's /tokenize does."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        if "messages" in body:
+            text = hf.apply_chat_template(body["messages"], tokenize=False,
+                                          add_generation_prompt=body.get("add_generation_prompt", True))
+            ids = hf(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
+        else:
+            ids = hf(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
+
+    async def complete(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(ANSWER)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=METRICS)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, int(runner.addresses[0][1])
+
+
+class Client:
+    """A keep-alive HTTP client; :meth:`post` returns the round trip in seconds."""
+
+    def __init__(self, port: int) -> None:
+        self._conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+
+    def post(self, path: str, data: bytes) -> float:
+        t0 = time.perf_counter()
+        self._conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+        resp = self._conn.getresponse()
+        resp.read()
+        dt = time.perf_counter() - t0
+        if resp.status != 200:
+            raise RuntimeError(f"{path} answered {resp.status}")
+        return dt
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+class Rig:
+    """A fake engine and two routers in front of it (library tokenizer, /tokenize fallback)."""
+
+    def __init__(self, tok_dir: Path) -> None:
+        from examples.router.app import EngineSpec, RouterConfig, TokenizerSpec
+        from examples.router.serve import RunningRouter
+
+        self.engine_loop = LoopThread("fake-engine")
+        self._engine_runner, eport = self.engine_loop.run(_serve(fake_engine_app(tok_dir)))
+        url = f"http://127.0.0.1:{eport}"
+        engines = [EngineSpec(pod=p, url=url, endpoint=f"tcp://127.0.0.1:{1 + i}") for i, p in enumerate(("pod-a", "pod-b"))]
+        self.router_loop = LoopThread("router")
+        self.routers: dict[str, Any] = {}
+        self.clients: dict[str, Client] = {"direct": Client(eport)}
+        for mode, spec in (("library", TokenizerSpec(model_dir=str(tok_dir))), ("/tokenize", None)):
+            cfg = RouterConfig(engines=engines, model=MODEL, port=0, load_interval=3600.0, tokenizer=spec)
+            rr = RunningRouter(cfg)
+            self.router_loop.run(rr.__aenter__())
+            self.routers[mode] = rr
+            self.clients[mode] = Client(int(rr.url.rsplit(":", 1)[1]))
+
+    def overhead(self, mode: str, body: dict[str, Any]) -> tuple[float, float]:
+        """(router round trip, direct round trip) for one body, seconds."""
+        data = json.dumps({"model": MODEL, **body}).encode()
+        routed = self.clients[mode].post("/v1/chat/completions", data)
+        direct = self.clients["direct"].post("/v1/chat/completions", data)
+        return routed, direct
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        for rr in self.routers.values():
+            self.router_loop.run(rr.__aexit__(None, None, None))
+        self.engine_loop.run(self._engine_runner.cleanup())
+        self.router_loop.stop()
+        self.engine_loop.stop()
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """p50/p99 of the added latency (routed - direct, paired), milliseconds."""
+    added = [1000 * (r - d) for r, d in pairs]
+    return {"n": len(added), "p50_ms": statistics.median(added), "p99_ms": pct(added, 0.99),
+            "direct_p50_ms": 1000 * statistics.median(d for _, d in pairs)}
+
+
+def measure(rig: Rig, msgs: list[dict[str, str]], mode: str, reps: int, cold_reps: int,
+            seed: int) -> dict[str, dict[str, float]]:
+    """Cold and warm added latency of ``mode`` for conversation ``msgs``."""
+    rng = random.Random(seed)
+    cold = []
+    for i in range(cold_reps):  # a new first message: a conversation the router has not seen
+        first = {**msgs[0], "content": f"{mode} {seed} {i} " + msgs[0]["content"]}
+        cold.append(rig.overhead(mode, {"messages": [first, *msgs[1:]]}))
+    conv = [{**msgs[0], "content": f"{mode} {seed} warm " + msgs[0]["content"]}, *msgs[1:]]
+    rig.overhead(mode, {"messages": conv})
+    warm = []
+    for i in range(reps):
+        conv = conv + [{"role": "assistant", "content": f"answer {i}"},
+                       {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(60))}]
+        warm.append(rig.overhead(mode, {"messages": conv}))
+    return {"single": summary(cold), "multi": summary(warm)}
+
+
+def run_sizes(rig: Rig, targets: tuple[int, ...], reps: int, cold_reps: int,
+              modes: tuple[str, ...] = ("library", "/tokenize"),
+              on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """One row per (size, mode): prompt tokens and the single / multi summaries."""
+    tok = rig.routers["library"].router.tokenizer
+    rows = []
+    for target in targets:
+        msgs = conversation(random.Random(target), tok, target)
+        n = len(tok.chat({"messages": msgs}).token_ids)
+        for mode in modes:
+            row = {"target": target, "tokens": n, "mode": mode,
+                   **measure(rig, msgs, mode, reps if mode == "library" else max(cold_reps, reps // 10),
+                             cold_reps, target)}
+            rows.append(row)
+            if on_row:
+                on_row(row)
+    return rows
+
+
+def fmt_row(r: dict[str, Any]) -> str:
+    s, m = r["single"], r["multi"]
+    return (f"{r['tokens']:>8} {r['mode']:>10} {s['p50_ms']:>11.2f} {s['p99_ms']:>9.2f} {s['n']:>4} "
+            f"{m['p50_ms']:>10.2f} {m['p99_ms']:>9.2f} {m['n']:>4} {m['direct_p50_ms']:>10.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=200, help="warm turns per size with the library tokenizer")
+    p.add_argument("--cold-reps", type=int, default=20, help="cold requests per size and mode")
+    p.add_argument("--sizes", type=int, nargs="*", default=list(TARGETS))
+    p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvindex" / "models" / MODEL)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)))
+        try:
+            load = os.getloadavg()
+            cpus = sorted(os.sched_getaffinity(0))
+            print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.platform()}  "
+                  f"{platform.processor() or platform.machine()}  cpus {cpus}  load {load[0]:.2f}")
+            print("added latency per request (router round trip - direct round trip), ms")
+            print(f"{'tokens':>8} {'tokens via':>10} {'single p50':>11} {'p99':>9} {'n':>4} "
+                  f"{'multi p50':>10} {'p99':>9} {'n':>4} {'direct p50':>10}")
+            rows = run_sizes(rig, tuple(args.sizes), args.reps, args.cold_reps,
+                             on_row=lambda r: print(fmt_row(r), flush=True))
+        finally:
+            rig.close()
+    print(f"{'~100000':>8} {'llm-d EPP':>10} {'(published) p50 2-3, p95 4.8-6.8 at 10 QPS':>44}")
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.platform(),
+        "cpus": cpus, "load_before": load, "load_after": os.getloadavg(), "rows": rows,
+        "reference": LLMD_EPP}, indent=2))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
