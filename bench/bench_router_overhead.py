@@ -56,6 +56,8 @@ from bench.bench_tokenize import WORDS, conversation, tokenizer_dir  # noqa: E40
 
 OUT = ROOT / "bench" / "out" / "router_overhead.json"
 TARGETS = (1_000, 8_000, 32_000, 100_000)
+TURNS = 10
+"""Warm turns per run (each adds ~40 tokens to the prompt)."""
 MODEL = "tiny-llama"
 LLMD_EPP = {"source": "llm-d EPP, published", "tokens": 100_000, "qps": 10,
             "p50_ms": "2-3", "p95_ms": "4.8-6.8"}
@@ -195,19 +197,25 @@ def summary(pairs: list[tuple[float, float]]) -> dict[str, float]:
 
 def measure(rig: Rig, msgs: list[dict[str, str]], mode: str, reps: int, cold_reps: int,
             seed: int) -> dict[str, dict[str, float]]:
-    """Cold and warm added latency of ``mode`` for conversation ``msgs``."""
+    """Cold and warm added latency of ``mode`` for conversation ``msgs``.
+
+    Warm: runs of :data:`TURNS` turns, each run on a new variant of the
+    conversation sent once unmeasured, so the prompt stays near its size.
+    """
     rng = random.Random(seed)
-    cold = []
-    for i in range(cold_reps):  # a new first message: a conversation the router has not seen
-        first = {**msgs[0], "content": f"{mode} {seed} {i} " + msgs[0]["content"]}
-        cold.append(rig.overhead(mode, {"messages": [first, *msgs[1:]]}))
-    conv = [{**msgs[0], "content": f"{mode} {seed} warm " + msgs[0]["content"]}, *msgs[1:]]
-    rig.overhead(mode, {"messages": conv})
+
+    def variant(tag: str) -> list[dict[str, str]]:  # a new first message: a conversation the router has not seen
+        return [{**msgs[0], "content": f"{mode} {seed} {tag} " + msgs[0]["content"]}, *msgs[1:]]
+
+    cold = [rig.overhead(mode, {"messages": variant(str(i))}) for i in range(cold_reps)]
     warm = []
-    for i in range(reps):
-        conv = conv + [{"role": "assistant", "content": f"answer {i}"},
-                       {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(60))}]
-        warm.append(rig.overhead(mode, {"messages": conv}))
+    for run in range(max(1, reps // TURNS)):
+        conv = variant(f"warm {run}")
+        rig.overhead(mode, {"messages": conv})
+        for i in range(TURNS):
+            conv = conv + [{"role": "assistant", "content": f"answer {i}"},
+                           {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(20))}]
+            warm.append(rig.overhead(mode, {"messages": conv}))
     return {"single": summary(cold), "multi": summary(warm)}
 
 
@@ -222,7 +230,7 @@ def run_sizes(rig: Rig, targets: tuple[int, ...], reps: int, cold_reps: int,
         n = len(tok.chat({"messages": msgs}).token_ids)
         for mode in modes:
             row = {"target": target, "tokens": n, "mode": mode,
-                   **measure(rig, msgs, mode, reps if mode == "library" else max(cold_reps, reps // 10),
+                   **measure(rig, msgs, mode, reps if mode == "library" else max(TURNS, cold_reps),
                              cold_reps, target)}
             rows.append(row)
             if on_row:
