@@ -2,10 +2,11 @@
 
 The reference router (examples/router: ``Router`` and its aiohttp app,
 scoring two pods) runs in front of a fake engine that answers at once
-(aiohttp, in its own thread and event loop). A client sends each chat request
-to the router and, paired with it, straight to the fake engine; the router's
-added latency is the difference of the two round trips (receive -> tokens ->
-score -> forward -> relay the answer, the engine excluded).
+(aiohttp); client, routers and engine are three processes. The client sends
+each chat request to a router and, paired with it, straight to the fake
+engine; the router's added latency is the difference of the two round trips
+(receive -> tokens -> score -> forward -> relay the answer, the engine
+excluded).
 
 Prompts of about 1k, 8k, 32k and 100k tokens (a ChatML conversation of
 ~250-token turns, the tokenizer of bench/bench_tokenize.py). Per size:
@@ -14,8 +15,10 @@ Prompts of about 1k, 8k, 32k and 100k tokens (a ChatML conversation of
 - ``multi``: the conversation's next turn (two new messages) right after the
   previous one, the multi-turn cache warm;
 
-each with the router's own tokenizer (``library``) and with no tokenizer
-configured (``/tokenize``: the router asks the engine's POST /tokenize). The
+each with the router's own tokenizer (``library``), the same with the
+render cache off (``whole-render``: every turn renders the whole
+conversation, as before that cache), and with no tokenizer configured
+(``/tokenize``: the router asks the engine's POST /tokenize). The
 fake engine's /tokenize makes the tokenizer-library calls vLLM makes for it
 (transformers' ``apply_chat_template(..., tokenize=False)`` then the fast
 tokenizer's encode of the text); its CPU time counts as router overhead, as a
@@ -38,11 +41,11 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,22 +68,6 @@ METRICS = "vllm:num_requests_waiting 0\nvllm:num_requests_running 0\n"
 ANSWER = {"id": "x", "object": "chat.completion", "model": MODEL,
           "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
           "usage": {"prompt_tokens": 0, "completion_tokens": 1, "total_tokens": 1}}
-
-
-class LoopThread:
-    """An asyncio event loop in a daemon thread; :meth:`run` waits for a coroutine on it."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 600.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
 
 
 def fake_engine_app(model_dir: Path) -> web.Application:
@@ -145,26 +132,68 @@ class Client:
         self._conn.close()
 
 
+MODES = ("library", "whole-render", "/tokenize")
+"""The routers measured: the library tokenizer, the same without the render cache, the /tokenize fallback."""
+
+
+async def _serve_routers(engine_port: int, tok_dir: Path) -> dict[str, Any]:
+    from examples.router.app import EngineSpec, RouterConfig, TokenizerSpec
+    from examples.router.serve import RunningRouter
+
+    url = f"http://127.0.0.1:{engine_port}"
+    engines = [EngineSpec(pod=p, url=url, endpoint=f"tcp://127.0.0.1:{1 + i}") for i, p in enumerate(("pod-a", "pod-b"))]
+    routers = {}
+    for mode in MODES:
+        spec = TokenizerSpec(model_dir=str(tok_dir)) if mode != "/tokenize" else None
+        rr = RunningRouter(RouterConfig(engines=engines, model=MODEL, port=0, load_interval=3600.0, tokenizer=spec))
+        await rr.__aenter__()
+        if mode == "whole-render":
+            rr.router.tokenizer.renders = None  # every turn renders the whole conversation (before the render cache)
+        routers[mode] = rr
+    return routers
+
+
+def serve(role: str, tok_dir: Path, engine_port: int) -> None:
+    """Serve the fake engine or the routers until stdin closes; print their ports as one JSON line."""
+    async def main() -> None:
+        if role == "engine":
+            runner, port = await _serve(fake_engine_app(tok_dir))
+            ports, closers = {"direct": port}, [runner.cleanup]
+        else:
+            routers = await _serve_routers(engine_port, tok_dir)
+            ports = {m: int(rr.url.rsplit(":", 1)[1]) for m, rr in routers.items()}
+            closers = [lambda rr=rr: rr.__aexit__(None, None, None) for rr in routers.values()]
+        print(json.dumps(ports), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        for close in closers:
+            await close()
+
+    asyncio.run(main())
+
+
 class Rig:
-    """A fake engine and two routers in front of it (library tokenizer, /tokenize fallback)."""
+    """A fake engine and the routers of :data:`MODES` in front of it, each in its own process."""
 
     def __init__(self, tok_dir: Path) -> None:
-        from examples.router.app import EngineSpec, RouterConfig, TokenizerSpec
-        from examples.router.serve import RunningRouter
+        from kvindex.tokenize import RequestTokenizer
 
-        self.engine_loop = LoopThread("fake-engine")
-        self._engine_runner, eport = self.engine_loop.run(_serve(fake_engine_app(tok_dir)))
-        url = f"http://127.0.0.1:{eport}"
-        engines = [EngineSpec(pod=p, url=url, endpoint=f"tcp://127.0.0.1:{1 + i}") for i, p in enumerate(("pod-a", "pod-b"))]
-        self.router_loop = LoopThread("router")
-        self.routers: dict[str, Any] = {}
-        self.clients: dict[str, Client] = {"direct": Client(eport)}
-        for mode, spec in (("library", TokenizerSpec(model_dir=str(tok_dir))), ("/tokenize", None)):
-            cfg = RouterConfig(engines=engines, model=MODEL, port=0, load_interval=3600.0, tokenizer=spec)
-            rr = RunningRouter(cfg)
-            self.router_loop.run(rr.__aenter__())
-            self.routers[mode] = rr
-            self.clients[mode] = Client(int(rr.url.rsplit(":", 1)[1]))
+        self.tokenizer = RequestTokenizer(tok_dir)
+        self._procs: list[subprocess.Popen[str]] = []
+        self.ports = self._start("engine", tok_dir, 0)
+        self.ports.update(self._start("routers", tok_dir, self.ports["direct"]))
+        self.clients = {m: Client(p) for m, p in self.ports.items()}
+
+    def _start(self, role: str, tok_dir: Path, engine_port: int) -> dict[str, int]:
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", role, "--tok-dir", str(tok_dir),
+                                 "--engine-port", str(engine_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        self._procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            self.close()
+            raise RuntimeError(f"the {role} process did not start")
+        return {k: int(v) for k, v in json.loads(line).items()}
 
     def overhead(self, mode: str, body: dict[str, Any]) -> tuple[float, float]:
         """(router round trip, direct round trip) for one body, seconds."""
@@ -173,14 +202,26 @@ class Rig:
         direct = self.clients["direct"].post("/v1/chat/completions", data)
         return routed, direct
 
+    def decisions(self, mode: str) -> list[dict[str, Any]]:
+        """The router's ``GET /decisions``."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.ports[mode], timeout=30)
+        try:
+            conn.request("GET", "/decisions?limit=1000")
+            return list(json.loads(conn.getresponse().read()))
+        finally:
+            conn.close()
+
     def close(self) -> None:
-        for c in self.clients.values():
+        for c in getattr(self, "clients", {}).values():
             c.close()
-        for rr in self.routers.values():
-            self.router_loop.run(rr.__aexit__(None, None, None))
-        self.engine_loop.run(self._engine_runner.cleanup())
-        self.router_loop.stop()
-        self.engine_loop.stop()
+        for proc in reversed(self._procs):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -220,17 +261,17 @@ def measure(rig: Rig, msgs: list[dict[str, str]], mode: str, reps: int, cold_rep
 
 
 def run_sizes(rig: Rig, targets: tuple[int, ...], reps: int, cold_reps: int,
-              modes: tuple[str, ...] = ("library", "/tokenize"),
+              modes: tuple[str, ...] = MODES,
               on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """One row per (size, mode): prompt tokens and the single / multi summaries."""
-    tok = rig.routers["library"].router.tokenizer
+    tok = rig.tokenizer
     rows = []
     for target in targets:
         msgs = conversation(random.Random(target), tok, target)
         n = len(tok.chat({"messages": msgs}).token_ids)
         for mode in modes:
             row = {"target": target, "tokens": n, "mode": mode,
-                   **measure(rig, msgs, mode, reps if mode == "library" else max(TURNS, cold_reps),
+                   **measure(rig, msgs, mode, reps if mode != "/tokenize" else max(TURNS, cold_reps),
                              cold_reps, target)}
             rows.append(row)
             if on_row:
@@ -250,7 +291,12 @@ def main() -> None:
     p.add_argument("--cold-reps", type=int, default=20, help="cold requests per size and mode")
     p.add_argument("--sizes", type=int, nargs="*", default=list(TARGETS))
     p.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvindex" / "models" / MODEL)
+    p.add_argument("--serve", choices=("engine", "routers"), help=argparse.SUPPRESS)
+    p.add_argument("--tok-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--engine-port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve:
+        return serve(args.serve, args.tok_dir, args.engine_port)
     with tempfile.TemporaryDirectory() as tmp:
         rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)))
         try:
