@@ -99,6 +99,7 @@ def fake_engine_app(model_dir: Path) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post("/v1/completions", complete)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     return app
@@ -195,11 +196,11 @@ class Rig:
             raise RuntimeError(f"the {role} process did not start")
         return {k: int(v) for k, v in json.loads(line).items()}
 
-    def overhead(self, mode: str, body: dict[str, Any]) -> tuple[float, float]:
+    def overhead(self, mode: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[float, float]:
         """(router round trip, direct round trip) for one body, seconds."""
         data = json.dumps({"model": MODEL, **body}).encode()
-        routed = self.clients[mode].post("/v1/chat/completions", data)
-        direct = self.clients["direct"].post("/v1/chat/completions", data)
+        routed = self.clients[mode].post(path, data)
+        direct = self.clients["direct"].post(path, data)
         return routed, direct
 
     def decisions(self, mode: str) -> list[dict[str, Any]]:
@@ -260,6 +261,12 @@ def measure(rig: Rig, msgs: list[dict[str, str]], mode: str, reps: int, cold_rep
     return {"single": summary(cold), "multi": summary(warm)}
 
 
+def proxy_floor(rig: Rig, reps: int) -> dict[str, float]:
+    """The added latency of a completion given as 16 token ids: proxying and scoring, nothing to tokenize."""
+    return summary([rig.overhead("library", {"prompt": list(range(16)), "max_tokens": 1}, "/v1/completions")
+                    for _ in range(reps)])
+
+
 def run_sizes(rig: Rig, targets: tuple[int, ...], reps: int, cold_reps: int,
               modes: tuple[str, ...] = MODES,
               on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
@@ -307,6 +314,9 @@ def main() -> None:
             print("added latency per request (router round trip - direct round trip), ms")
             print(f"{'tokens':>8} {'tokens via':>10} {'single p50':>11} {'p99':>9} {'n':>4} "
                   f"{'multi p50':>10} {'p99':>9} {'n':>4} {'direct p50':>10}")
+            floor = proxy_floor(rig, args.reps)
+            print(f"{16:>8} {'token ids':>10} {floor['p50_ms']:>11.2f} {floor['p99_ms']:>9.2f} {floor['n']:>4}"
+                  f"{'':>26} {floor['direct_p50_ms']:>10.2f}   (the proxying floor)", flush=True)
             rows = run_sizes(rig, tuple(args.sizes), args.reps, args.cold_reps,
                              on_row=lambda r: print(fmt_row(r), flush=True))
         finally:
@@ -315,7 +325,7 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.platform(),
-        "cpus": cpus, "load_before": load, "load_after": os.getloadavg(), "rows": rows,
+        "cpus": cpus, "load_before": load, "load_after": os.getloadavg(), "proxy_floor": floor, "rows": rows,
         "reference": LLMD_EPP}, indent=2))
     print(f"wrote {OUT}")
 
