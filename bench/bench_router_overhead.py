@@ -305,7 +305,13 @@ def main() -> None:
     if args.serve:
         return serve(args.serve, args.tok_dir, args.engine_port)
     with tempfile.TemporaryDirectory() as tmp:
-        rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)))
+        if (args.model_dir / "tokenizer.json").is_file():
+            rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)))
+        else:  # no generated test model here: the tokenization tests' tokenizer (ChatML, special tokens)
+            from tests.tokenize_model import make_tokenizer_dir
+
+            print(f"{args.model_dir} holds no tokenizer: using tests/tokenize_model.py's")
+            rig = Rig(make_tokenizer_dir(Path(tmp) / "tok"))
         try:
             load = os.getloadavg()
             cpus = sorted(os.sched_getaffinity(0))
