@@ -127,6 +127,12 @@ def test_templates_that_are_not_message_local_render_whole(pairs) -> None:  # ty
     assert tok.renders.stats.hits == hits
 
 
+def test_messages_that_do_not_encode_as_json_render_whole(pairs) -> None:  # type: ignore[no-untyped-def]
+    tok, oracle = pairs[CHATML]
+    body = {"messages": [{"role": "user", "content": "hello " * 60, "extra": {1, 2}}]}
+    assert tok.chat(body) == oracle.chat(body)
+
+
 def test_the_render_cache_is_bounded(model_dir: Path) -> None:
     cache = RenderCache(max_entries=3, max_chars=50_000)
     tok = RequestTokenizer(model_dir, cache_entries=3)

@@ -141,7 +141,10 @@ class RenderCache:
         key = self._key(messages, template, fmt, kwargs)
         if key is None or not message_local(template):
             return self._whole()
-        enc = msgspec.json.encode(messages)
+        try:
+            enc = msgspec.json.encode(messages)
+        except (TypeError, msgspec.EncodeError):  # not JSON (a caller's own objects): no proof of a prefix
+            return self._whole()
         split = self._split(key, prepare, apply)
         if split is None:
             return self._whole()

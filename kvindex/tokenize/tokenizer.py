@@ -93,7 +93,8 @@ class RequestTokenizer:
         default_chat_template_kwargs: the engine's ``--default-chat-template-kwargs``.
         trust_request_chat_template: the engine's ``--trust-request-chat-template``.
         exclude_tools_when_tool_choice_none: the engine's flag of that name.
-        cache_entries, cache_tokens: bounds of the multi-turn cache (0 entries: no cache).
+        cache_entries, cache_tokens: bounds of the multi-turn caches (0 entries: none): the
+            encoded texts (:attr:`cache`) and the rendered conversations (:attr:`renders`).
 
     Raises ValueError when the folder holds no Hugging Face fast tokenizer
     (transformers must be installed: ``pip install 'kvindex[tokenize]'``).
