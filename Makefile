@@ -12,7 +12,7 @@ LIB := $(VENV)/.installed-lib
 TEST := $(VENV)/.installed-test
 BENCH := $(VENV)/.installed-bench
 
-.PHONY: test test-fast demo demo-vllm demo-pd bench bench-nixl sim sim-quick bench-real soak fuzz soak-churn overload clean
+.PHONY: test test-fast demo demo-vllm demo-pd bench bench-router bench-nixl sim sim-quick bench-real soak fuzz soak-churn overload clean
 
 $(LIB): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench: $(BENCH)
 	$(PY) bench/bench_redis.py
 	$(PY) bench/bench_dynamo.py
 	$(PY) -m bench.sim
+
+# The reference router's added latency per request, library tokenizer vs /tokenize (bench/out/router_overhead.json).
+bench-router: $(TEST)
+	$(PY) bench/bench_router_overhead.py
 
 # The fleet simulator: seed 002's scheduling table and seed 000's P/D curve (bench/out/sim_*).
 sim: $(BENCH)

@@ -5,7 +5,7 @@ For chat requests whose rendered prompt is about 1k, 8k, 32k and 100k tokens
 ``RequestTokenizer.tokenize`` (render the template + encode) plus
 ``Indexer.score`` of the ids on two pods, p50 and p99 in milliseconds:
 
-- ``single``: a cold request (no cached turn: the whole prompt is encoded);
+- ``single``: a cold request (no cached turn: the whole prompt is rendered and encoded);
 - ``multi``: the conversation's next turn with the previous turn cached (warm),
   what a router pays per turn of a long conversation;
 - ``/tokenize`` (with ``--engine URL``, a running vLLM OpenAI server of the
@@ -78,8 +78,9 @@ def one_size(tok: RequestTokenizer, ix: Indexer, target: int, reps: int, engine:
     single, multi, remote = [], [], []
     n_tokens = len(tok.chat(body).token_ids)
     for i in range(reps):
-        assert tok.cache is not None
+        assert tok.cache is not None and tok.renders is not None
         tok.cache.clear()
+        tok.renders.clear()
         t0 = time.perf_counter()
         ids = tok.chat(body).token_ids
         ix.score(ids, pods=["pod-a", "pod-b"])

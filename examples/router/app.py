@@ -823,7 +823,7 @@ class Router:
         """
         assert self.indexer is not None
         start = time.perf_counter()
-        ids = list(tokens or [])
+        ids = tokens if type(tokens) is list else list(tokens or [])  # not copied: only read here
         candidates = self.candidates()
         salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
         result = self.indexer.score(ids if reads_cache else [], candidates, cache_salt=salt)

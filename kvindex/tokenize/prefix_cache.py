@@ -22,7 +22,6 @@ the rest. tests/test_tokenize_prefix.py holds the result to a full encoding.
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,7 @@ ANCHOR_CHARS = 256
 @dataclass
 class _Entry:
     text: str
-    ids: array[int]  # the token ids, array("I")
+    ids: list[int]  # the token ids (shared with the lists handed out: no copy per request)
     cut_chars: list[int]  # char offsets of the cut points, ascending
     cut_tokens: list[int]  # index in ids of the token starting at each cut
 
@@ -103,14 +102,14 @@ class PrefixCache:
         if best is None:
             ids, chars, toks = self._encode_from(text, 0)
             reused = 0
-            prefix_ids: array[int] = array("I")
+            prefix_ids: list[int] = []
         else:
             entry, k = best
             start, tok_at = entry.cut_chars[k], entry.cut_tokens[k]
             tail, chars, toks = self._encode_from(text, start)
             if not tail or tail[0] != entry.ids[tok_at]:  # not the expected token at the cut
                 ids, chars, toks = self._encode_from(text, 0)
-                reused, prefix_ids = 0, array("I")
+                reused, prefix_ids = 0, []
                 best = None
             else:
                 prefix_ids = entry.ids[:tok_at]
@@ -121,9 +120,9 @@ class PrefixCache:
                 with self._lock:
                     self.stats.hits += 1
                     self.stats.reused_tokens += reused
-        full = prefix_ids + array("I", ids)
+        full = prefix_ids + ids
         self._store(anchor, _Entry(text, full, chars, toks), best[0] if best else None)
-        return full.tolist(), reused
+        return full, reused
 
     def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
         """Encode ``text[start:]``; its ids, and its cut points shifted by ``start``."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from functools import lru_cache
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,7 @@ import msgspec
 from kvindex.tokenize import messages as msgs
 from kvindex.tokenize.messages import ContentFormat, Inexact
 from kvindex.tokenize.prefix_cache import CacheStats, PrefixCache
+from kvindex.tokenize.render_cache import RenderCache
 
 CHAT_PATHS = ("/v1/chat/completions",)
 COMPLETION_PATHS = ("/v1/completions",)
@@ -91,7 +93,8 @@ class RequestTokenizer:
         default_chat_template_kwargs: the engine's ``--default-chat-template-kwargs``.
         trust_request_chat_template: the engine's ``--trust-request-chat-template``.
         exclude_tools_when_tool_choice_none: the engine's flag of that name.
-        cache_entries, cache_tokens: bounds of the multi-turn cache (0 entries: no cache).
+        cache_entries, cache_tokens: bounds of the multi-turn caches (0 entries: none): the
+            encoded texts (:attr:`cache`) and the rendered conversations (:attr:`renders`).
 
     Raises ValueError when the folder holds no Hugging Face fast tokenizer
     (transformers must be installed: ``pip install 'kvindex[tokenize]'``).
@@ -133,6 +136,7 @@ class RequestTokenizer:
             PrefixCache(self._backend, max_entries=cache_entries, max_tokens=cache_tokens)
             if cache_entries > 0 else None
         )
+        self.renders: RenderCache | None = RenderCache(max_entries=cache_entries) if cache_entries > 0 else None
         self._processor_files = [n for n in ("processor_config.json", "preprocessor_config.json")
                                  if (self.model_dir / n).is_file()]
 
@@ -185,7 +189,7 @@ class RequestTokenizer:
         reused = _forwarded_ids(body, self._vocab) if not is_tokenize else None
         if reused is not None:
             return TokenizedRequest(prompts=[reused], exact=True)
-        text = self.render(body, is_tokenize=is_tokenize)
+        text = self._chat_text(body, is_tokenize=is_tokenize)
         add_special = body.get("add_special_tokens", False)
         if not isinstance(add_special, bool):
             raise Inexact("invalid request: add_special_tokens is not a boolean")
@@ -209,8 +213,27 @@ class RequestTokenizer:
         except ValueError as e:
             raise Inexact(f"no chat template: {e}") from None
 
+    def _chat_text(self, body: Mapping[str, Any], *, is_tokenize: bool) -> str:
+        """The rendered text; only the new messages are rendered when the render cache proves the rest."""
+        template, fmt, kwargs = self._chat_params(body, is_tokenize=is_tokenize)
+        messages = body.get("messages")
+        if self.renders is not None and not body.get("continue_final_message"):
+            text = self.renders.render(messages, template, fmt, kwargs, lambda ms: msgs.conversation(ms, fmt),
+                                       lambda conv: self._apply_template(template, conv, kwargs))
+            if text is not None:
+                return text
+        conv = msgs.developer_as_system(msgs.conversation(messages, fmt), template)
+        return self._apply_template(template, conv, kwargs)
+
     def _prepare_chat(self, body: Mapping[str, Any], *, is_tokenize: bool
                       ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        template, fmt, kwargs = self._chat_params(body, is_tokenize=is_tokenize)
+        conv = msgs.developer_as_system(msgs.conversation(body.get("messages"), fmt), template)
+        return template, conv, kwargs
+
+    def _chat_params(self, body: Mapping[str, Any], *, is_tokenize: bool
+                     ) -> tuple[str, ContentFormat, dict[str, Any]]:
+        """The template, content format and template kwargs of a chat body (everything but the messages)."""
         if body.get("continue_final_message") and body.get("add_generation_prompt"):
             raise Inexact("invalid request: continue_final_message with add_generation_prompt")
         tools = msgs.normalize_tools(body.get("tools"))
@@ -223,11 +246,10 @@ class RequestTokenizer:
         template = self._template_for(body, tools)
         fmt: ContentFormat = (msgs.detect_content_format(template) if self._content_format == "auto"
                               else self._content_format)
-        conv = msgs.developer_as_system(msgs.conversation(body.get("messages"), fmt), template)
         accepted = msgs.template_variables(template) | _apply_params(type(self._hf))
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
         kwargs["tools"] = tools
-        return template, conv, kwargs
+        return template, fmt, kwargs
 
     def _apply_template(self, template: str, conv: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
@@ -262,6 +284,7 @@ class RequestTokenizer:
         return TokenizedRequest(prompts=out, exact=True)
 
 
+@lru_cache(maxsize=8)
 def _apply_params(cls: type) -> frozenset[str]:
     """Named parameters of ``apply_chat_template`` (vLLM lets these kwargs through too)."""
     import inspect
