@@ -23,6 +23,15 @@ def engine_hash(tokens: tuple[int, ...], salt: str = "engine") -> int:
     return int.from_bytes(d[-8:], "big")
 
 
+def from_json(x: object) -> object:
+    """A recorded vLLM value back from JSON: ``{"bytes_hex": ...}`` -> bytes, lists -> tuples."""
+    if isinstance(x, dict):
+        return bytes.fromhex(x["bytes_hex"])
+    if isinstance(x, list):
+        return tuple(from_json(y) for y in x)
+    return x
+
+
 def stored_event(hashes, parent, tokens, block_size, tier="gpu", form="map", **extra) -> object:
     """A vLLM BlockStored event as the engine encodes it (map = vLLM 0.32, array = older)."""
     medium = MEDIUM.get(tier, tier.upper())

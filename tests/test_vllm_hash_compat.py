@@ -22,17 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.keys import TokenProcessor, digest_to_key, extra_keys_from_event
+from tests.oracle import from_json
 
 DATA = Path(__file__).parent / "data" / "vllm_block_hashes.json"
 CASES: list[dict[str, Any]] = json.loads(DATA.read_text())["cases"]
 
-
-def _from_json(x: Any) -> Any:
-    if isinstance(x, dict):
-        return bytes.fromhex(x["bytes_hex"])
-    if isinstance(x, list):
-        return tuple(_from_json(y) for y in x)
-    return x
 
 
 def _event_extras(case: dict[str, Any]) -> list[tuple[Any, ...] | None] | None:
@@ -40,7 +34,7 @@ def _event_extras(case: dict[str, Any]) -> list[tuple[Any, ...] | None] | None:
     raw = case["event_extra_keys"]
     if raw is None:
         return None
-    extras = [None if e is None else _from_json(e) for e in raw]
+    extras = [None if e is None else from_json(e) for e in raw]
     lora_name = case["lora"][0] if case["lora"] else None
     return extra_keys_from_event(extras, lora_name)
 

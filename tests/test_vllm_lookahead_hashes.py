@@ -26,18 +26,12 @@ from kvevents.misconfig import HASH_ALGORITHM, ConfigCheck
 from kvevents.wire import decode_vllm_batch
 from kvindex import Config, Indexer
 from kvindex.keys import TokenProcessor, digest_to_key, extra_keys_from_event
+from tests.oracle import from_json
 
 DATA = Path(__file__).parent / "data"
 CASES: list[dict[str, Any]] = json.loads((DATA / "vllm_lookahead_block_hashes.json").read_text())["cases"]
 CAPTURES = {m["name"]: m for m in json.loads((DATA / "vllm033_capture_events.json").read_text())["messages"]}
 
-
-def _from_json(x: Any) -> Any:
-    if isinstance(x, dict):
-        return bytes.fromhex(x["bytes_hex"])
-    if isinstance(x, list):
-        return tuple(_from_json(y) for y in x)
-    return x
 
 
 def _extras(case: dict[str, Any]) -> list[tuple[Any, ...] | None] | None:
@@ -45,7 +39,7 @@ def _extras(case: dict[str, Any]) -> list[tuple[Any, ...] | None] | None:
     raw = case["event_extra_keys"]
     if raw is None:
         return None
-    extras = extra_keys_from_event([None if e is None else _from_json(e) for e in raw],
+    extras = extra_keys_from_event([None if e is None else from_json(e) for e in raw],
                                    case["lora"][0] if case["lora"] else None)
     if extras and extras[0] is not None:
         extras[0] = tuple(x for x in extras[0] if not isinstance(x, str)) or None
