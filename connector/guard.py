@@ -16,6 +16,13 @@ the retained tokens and keeps only what matches:
 - Otherwise they are clipped to the longest common *whole-block* prefix ``k``:
   ``remote_num_tokens = k * block_size`` and each group's
   ``remote_block_ids[:k]``.  ``k = 0`` means no remote params at all.
+- Hybrid models: a group naming fewer blocks than the retained tokens fill is
+  a *tail* group (vLLM 0.32's NixlConnector sends a sliding-window group's
+  in-window tail and a Mamba group's state slot only:
+  nixl/base_scheduler.py ``get_exchange_clipped_blocks``).  Its blocks hold
+  the state at the end of the retained sequence, so they can be reused only
+  whole: with a tail group, anything short of the full extension sends no
+  remote params.
 
 The result never names a block holding a token that differs from the prompt's
 token at the same position (property-tested in tests/test_connector_guard.py).
@@ -89,17 +96,19 @@ def clip_to_prompt(
         never modified), unknown fields kept.
 
     Raises:
-        ValueError: block_size < 1, or the params name fewer blocks in some
-            group than the retained tokens need (D's answer and the tokens do
+        ValueError: block_size < 1, or no group of the params names as many
+            blocks as the retained tokens fill (D's answer and the tokens do
             not belong together).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n = len(retained_tokens)
     need = -(-n // block_size)
-    for g in params.remote_block_ids:
-        if len(g) < need:
-            raise ValueError(f"a KV-cache group names {len(g)} blocks for {n} tokens of block size {block_size}")
+    tails = [i for i, g in enumerate(params.remote_block_ids) if len(g) < need]
+    if len(tails) == len(params.remote_block_ids):
+        g = params.remote_block_ids[0]
+        raise ValueError(f"no KV-cache group names the {need} blocks of {n} tokens of block size {block_size} "
+                         f"(the first names {len(g)})")
     common = common_prefix_len(retained_tokens, prompt_tokens)
     key_blocks = common_prefix_len(retained_keys, prompt_keys)
     full_blocks = n // block_size
@@ -113,6 +122,16 @@ def clip_to_prompt(
             reason=f"prompt extends all {n} retained tokens",
         )
     k = min(common // block_size, key_blocks)
+    if tails and k > 0:
+        return GuardResult(
+            params=None,
+            common_tokens=common,
+            reusable_tokens=0,
+            blocks=0,
+            clipped=True,
+            reason=(f"prompt extends {k * block_size} of {n} retained tokens; KV-cache group(s) {tails} hold only "
+                    "the retained sequence's tail (sliding window / state): no partial reuse, no remote params"),
+        )
     if k == 0:
         why = "key scope differs" if common >= block_size else f"first difference at token {common}"
         return GuardResult(

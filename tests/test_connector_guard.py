@@ -111,3 +111,35 @@ def test_examples():
     assert r.params is None and "key scope" in r.reason
     with pytest.raises(ValueError):
         clip_to_prompt(d_answer(4, bs, 1), held, k(held), held, k(held), bs)  # 1 block for 10 tokens
+
+
+@given(history_and_edit(), st.integers(1, 3))
+@settings(max_examples=500, deadline=None)
+def test_a_hybrid_answer_is_reused_whole_or_not_at_all(case, tail: int):
+    """A sliding-window / state group names only the retained sequence's last blocks (vLLM 0.32 NixlConnector):
+    the params go out unchanged when the prompt extends every retained token, else not at all."""
+    bs, held, prompt, _ = case
+    tp = TokenProcessor(block_size=bs)
+    params = d_answer(len(held), bs, 2)
+    nb = -(-len(held) // bs)
+    if tail >= nb:
+        return  # the window covers the whole sequence: not a tail group
+    raw = params.to_dict()
+    raw["remote_block_ids"] = [raw["remote_block_ids"][0], raw["remote_block_ids"][1][-tail:]]
+    hybrid = parse_params(raw)
+    r = clip_to_prompt(hybrid, held, tp.request_keys(held), prompt, tp.request_keys(prompt), bs)
+    if common_prefix_len(held, prompt) >= len(held):
+        assert r.params is not None and r.params.to_dict() == hybrid.to_dict() and not r.clipped
+    else:
+        assert r.params is None and r.reusable_tokens == 0 and r.clipped
+
+
+def test_a_hybrid_answer_cut_short_says_why():
+    bs = 4
+    tp = TokenProcessor(block_size=bs)
+    held = list(range(20))
+    raw = d_answer(20, bs, 2).to_dict()
+    raw["remote_block_ids"][1] = raw["remote_block_ids"][1][-2:]  # the window's two blocks
+    edited = held[:12] + [99] + held[13:]
+    r = clip_to_prompt(parse_params(raw), held, tp.request_keys(held), edited, tp.request_keys(edited), bs)
+    assert r.params is None and "[1]" in r.reason and "no partial reuse" in r.reason
