@@ -104,11 +104,7 @@ def clip_to_prompt(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n = len(retained_tokens)
     need = -(-n // block_size)
-    tails = [i for i, g in enumerate(params.remote_block_ids) if len(g) < need]
-    if len(tails) == len(params.remote_block_ids):
-        g = params.remote_block_ids[0]
-        raise ValueError(f"no KV-cache group names the {need} blocks of {n} tokens of block size {block_size} "
-                         f"(the first names {len(g)})")
+    tails = _tail_groups(params, n, block_size)
     common = common_prefix_len(retained_tokens, prompt_tokens)
     key_blocks = common_prefix_len(retained_keys, prompt_keys)
     full_blocks = n // block_size
@@ -123,25 +119,11 @@ def clip_to_prompt(
         )
     k = min(common // block_size, key_blocks)
     if tails and k > 0:
-        return GuardResult(
-            params=None,
-            common_tokens=common,
-            reusable_tokens=0,
-            blocks=0,
-            clipped=True,
-            reason=(f"prompt extends {k * block_size} of {n} retained tokens; KV-cache group(s) {tails} hold only "
-                    "the retained sequence's tail (sliding window / state): no partial reuse, no remote params"),
-        )
+        return _nothing(common, f"prompt extends {k * block_size} of {n} retained tokens; KV-cache group(s) {tails} "
+                                "hold only the retained sequence's tail (sliding window / state): no partial reuse")
     if k == 0:
         why = "key scope differs" if common >= block_size else f"first difference at token {common}"
-        return GuardResult(
-            params=None,
-            common_tokens=common,
-            reusable_tokens=0,
-            blocks=0,
-            clipped=True,
-            reason=f"no whole block in common ({why}); no remote params",
-        )
+        return _nothing(common, f"no whole block in common ({why})")
     clipped = msgspec.structs.replace(
         params,
         remote_block_ids=[list(g[:k]) for g in params.remote_block_ids],
@@ -157,3 +139,22 @@ def clip_to_prompt(
         reason=f"prompt differs from the retained tokens at token {common}: clipped to {k} blocks "
         f"({k * block_size} of {n} tokens)",
     )
+
+
+def _tail_groups(params: RemoteKVParams, n: int, block_size: int) -> list[int]:
+    """Groups naming fewer blocks than ``n`` tokens fill (a sliding-window tail, a state slot).
+
+    Raises ValueError when every group does (D's answer and the tokens do not belong together).
+    """
+    need = -(-n // block_size)
+    tails = [i for i, g in enumerate(params.remote_block_ids) if len(g) < need]
+    if len(tails) == len(params.remote_block_ids):
+        raise ValueError(f"no KV-cache group names the {need} blocks of {n} tokens of block size {block_size} "
+                         f"(the first names {len(params.remote_block_ids[0])})")
+    return tails
+
+
+def _nothing(common: int, why: str) -> GuardResult:
+    """No remote params: P recomputes."""
+    return GuardResult(params=None, common_tokens=common, reusable_tokens=0, blocks=0, clipped=True,
+                       reason=f"{why}; no remote params")
