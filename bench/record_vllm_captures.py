@@ -28,18 +28,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record_vllm_hashes import jsonable  # noqa: E402  (tuples -> lists, bytes -> hex; no vLLM import)
 from vllm_wheel_source import LoRA, MMFeature, Request, load_event_structs, load_hashing  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 TOPIC = "kv@pod-a@tiny-llama"
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, bytes):
-        return {"bytes_hex": x.hex()}
-    if isinstance(x, (tuple, list)):
-        return [_jsonable(y) for y in x]
-    return x
 
 
 def _hash_cases() -> list[dict[str, Any]]:
@@ -95,7 +88,7 @@ def _hash_case(h: Any, case: dict[str, Any], algo: str, seed: str | None) -> dic
         "name": case["name"], "algorithm": algo, "engine_hash_seed": seed, "block_size": bs,
         "lookahead": la, "tokens": case["tokens"], "cache_salt": case.get("cache_salt"),
         "lora": case.get("lora"),
-        "event_extra_keys": _jsonable(h.to_event_extra_keys(extras)),
+        "event_extra_keys": jsonable(h.to_event_extra_keys(extras)),
         "lookahead_token_ids": [case["tokens"][(i + 1) * bs:(i + 1) * bs + la] for i in range(len(digests))]
         if la else None,
         "block_hashes": [h.maybe_convert_block_hash(d) for d in digests],

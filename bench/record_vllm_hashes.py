@@ -32,12 +32,12 @@ for _name in ("torchvision", "torchaudio", "torchcodec"):
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "vllm_block_hashes.json"
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     """Tuples -> lists, bytes -> {"bytes_hex": ...} (JSON has no bytes)."""
     if isinstance(x, bytes):
         return {"bytes_hex": x.hex()}
     if isinstance(x, (tuple, list)):
-        return [_jsonable(y) for y in x]
+        return [jsonable(y) for y in x]
     return x
 
 
@@ -156,7 +156,7 @@ def _record(case: dict[str, Any], algo: str, seed: str | None) -> dict[str, Any]
         "tokens": all_tokens,
         "cache_salt": case.get("cache_salt"),
         "lora": lora,
-        "event_extra_keys": _jsonable(event_extra),
+        "event_extra_keys": jsonable(event_extra),
         "block_hashes": [kcu.maybe_convert_block_hash(d) for d in digests],
         "digests_hex": [d.hex() for d in digests],
     }

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvindex.hybrid import GroupSpec, predict_hit
+from kvindex.hybrid import predict_hit
 
 __all__ = ["bound_matches"]
 
@@ -45,8 +45,8 @@ def bound_matches(
             continue
         rank = ranks[0] if len(ranks) == 1 else (index.best_dp_rank(pod, keys) or 0)
         specs = index.group_specs(pod, rank, model=model)
-        if not _is_hybrid(specs, block_size):
-            continue
+        if not specs or any(s.block_size != block_size for s in specs.values()):
+            continue  # a group of another block size is not modelled
         groups = index.group_match(keys, pod, rank, model=model)
 
         def present(g: int, end: int, groups: dict[int, list[int]] = groups) -> bool:
@@ -57,9 +57,3 @@ def bound_matches(
         limited[pod] = hit.limited_by
     return out, limited
 
-
-def _is_hybrid(specs: dict[int, GroupSpec], block_size: int) -> bool:
-    """More than one group, or one that is not full attention, all of the index's block size."""
-    if not specs or (len(specs) == 1 and next(iter(specs.values())).rule == "full"):
-        return False
-    return all(s.block_size == block_size for s in specs.values())
