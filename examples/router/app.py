@@ -78,7 +78,6 @@ from prometheus_client.registry import Collector
 
 from examples.router.answers import answer_cached_tokens, relay_stream
 from examples.router.config import (
-    ENGINE_KEEPALIVE,
     EngineSpec,
     RouterConfig,
     TokenizerSpec,
@@ -86,6 +85,7 @@ from examples.router.config import (
     parse_engine_arg,
 )
 from examples.router.engine_tokenizer import adopt_engine_tokenizer, engine_model_root
+from examples.router.upstream import engine_session, post_upstream
 from kvindex.facade import Indexer
 from kvindex.facade.healing import HealingPolicy, with_full_report
 from scorer.load import fetch_load
@@ -155,18 +155,6 @@ def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
         return False
     first = prompt[0] if isinstance(prompt[0], list) else prompt
     return bool(first) and all(type(t) is int for t in first)
-
-
-def engine_session(timeout: aiohttp.ClientTimeout, keepalive: float = ENGINE_KEEPALIVE, **kwargs: Any) -> aiohttp.ClientSession:
-    """An HTTP client session for talking to vLLM engines (``kwargs`` go to :class:`aiohttp.ClientSession`).
-
-    Idle connections are dropped after ``keepalive`` seconds, below the
-    engine's own limit (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s, in vLLM's
-    uvicorn server): a request written on a connection the server is closing
-    at that moment fails with ``ServerDisconnectedError`` before the engine
-    ever reads it.
-    """
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(keepalive_timeout=keepalive), **kwargs)
 
 
 # -- decisions -----------------------------------------------------------------
@@ -359,7 +347,9 @@ class Router:
         """
         if self._session is not None:
             return
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.config.upstream_timeout)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=self.config.connect_timeout, sock_read=self.config.upstream_timeout
+        )
         self._session = engine_session(timeout, self.config.upstream_keepalive, auto_decompress=False)
         try:
             if self.model is None:
@@ -727,7 +717,9 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         extra = self._decision_headers(decision)
         try:
-            async with self._session.post(url, data=raw, headers=headers) as up:
+            async with post_upstream(
+                self._session, url, attempts=self.config.connect_attempts, data=raw, headers=headers
+            ) as up:
                 out_headers = {k: v for k, v in up.headers.items() if k.lower() not in HOP_BY_HOP}
                 out_headers.update(extra)
                 if up.headers.get("Content-Length") is not None:

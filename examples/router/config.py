@@ -93,6 +93,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     load_interval: seconds between two refreshes of every engine's ``/metrics``.
     decision_log_size: routing decisions kept for ``GET /decisions``.
     upstream_timeout: seconds an engine may stay silent while answering.
+    connect_timeout: seconds to open a connection to an engine.
+    connect_attempts: tries to connect before an engine counts as unreachable
+        for a request (a request never sent is safe to send again;
+        :func:`examples.router.upstream.post_upstream`).
     upstream_keepalive: seconds an idle connection to an engine is kept for
         reuse.  Below the engines' own idle limit (vLLM's HTTP server closes
         a connection idle for ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s): a
@@ -136,6 +140,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     load_interval: float = 1.0
     decision_log_size: int = 1000
     upstream_timeout: float = 600.0
+    connect_timeout: float = 10.0
+    connect_attempts: int = 3
     upstream_keepalive: float = ENGINE_KEEPALIVE
     indexer: dict[str, Any] = msgspec.field(default_factory=dict)
     prefill: list[str] = msgspec.field(default_factory=list)
@@ -158,6 +164,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"load_interval must be > 0, got {self.load_interval}")
         if self.decision_log_size < 1:
             raise ValueError(f"decision_log_size must be >= 1, got {self.decision_log_size}")
+        if not self.connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0, got {self.connect_timeout}")
+        if self.connect_attempts < 1:
+            raise ValueError(f"connect_attempts must be >= 1, got {self.connect_attempts}")
         if not self.upstream_keepalive >= 0:
             raise ValueError(f"upstream_keepalive must be >= 0, got {self.upstream_keepalive}")
         pods = [e.pod for e in self.engines]

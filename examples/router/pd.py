@@ -74,6 +74,7 @@ from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
 from examples.router.answers import relay_stream
 from examples.router.app import HOP_BY_HOP, Router, RouterConfig
+from examples.router.upstream import post_upstream
 from kvindex.facade import Indexer
 from scorer.prefix import reads_prefix_cache
 
@@ -229,8 +230,9 @@ class PDRouter(Router):
         """:meth:`_post`, and whether the engine answered at all (False: no answer, status 502)."""
         assert self._session is not None
         try:
-            async with self._session.post(
-                self.engines[pod].url + path, data=msgspec.json.encode(body), headers=headers
+            async with post_upstream(
+                self._session, self.engines[pod].url + path, attempts=self.config.connect_attempts,
+                data=msgspec.json.encode(body), headers=headers,
             ) as up:
                 return up.status, await up.read(), True
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -421,8 +423,9 @@ class PDRouter(Router):
         assert self._session is not None
         t1 = time.perf_counter()
         try:
-            async with self._session.post(
-                self.engines[plan.decode_pod].url + request.path, data=msgspec.json.encode(d_body), headers=headers
+            async with post_upstream(
+                self._session, self.engines[plan.decode_pod].url + request.path,
+                attempts=self.config.connect_attempts, data=msgspec.json.encode(d_body), headers=headers,
             ) as up:
                 turn.decode_status = up.status
                 if up.status != 200:

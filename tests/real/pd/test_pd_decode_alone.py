@@ -40,14 +40,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 RULE = DecodeAloneRule(max_tokens=128)
 FIRST = 800  # tokens of turn 1's prompt
 ANSWER = 100  # tokens D generates per turn: D retains 99 of them, which P (prefix caching on) lacks: >= 64, a pull
-NEW = [None, 40, 40, 40, 400]  # new user tokens per turn (None: the first turn)
+NEW = [None, 40, 40, 400]  # new user tokens per turn (None: the first turn)
+NEW_BASE = [None, 40, 400]  # the comparison without the rule: a short and a long turn
 
 
-async def conversation(session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str) -> list[dict[str, Any]]:
-    """The turns of NEW through the router; each turn's plan, the engines' counters and its leg times."""
+async def conversation(
+    session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, turns: list[int | None]
+) -> list[dict[str, Any]]:
+    """``turns`` (new tokens per turn, as NEW) through the router; each turn's plan, the engines' counters and its leg times."""
     history = ids(cid, FIRST)
     rows: list[dict[str, Any]] = []
-    for k, new in enumerate(NEW):
+    for k, new in enumerate(turns):
         if new:
             history = history + ids(f"{cid}/{k}", new)
         t = await run_turn(session, rr.url, fleet, cid, history, max_tokens=ANSWER)
@@ -77,12 +80,12 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with engine_session(aiohttp.ClientTimeout(total=900)) as session:
         async with RunningRouter(pd_router_config(fleet, decode_alone=RULE)) as rr:
-            out["cond"] = await conversation(session, rr, fleet, "cond")
+            out["cond"] = await conversation(session, rr, fleet, "cond", NEW)
             out["edited"] = await edited(session, rr, fleet)
             out["stats"] = rr.router.planner.stats()
             out["metrics"] = await (await session.get(rr.url + "/metrics")).text()
         async with RunningRouter(pd_router_config(fleet)) as rr:
-            out["base"] = await conversation(session, rr, fleet, "base")
+            out["base"] = await conversation(session, rr, fleet, "base", NEW_BASE)
     return out
 
 
