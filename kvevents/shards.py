@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from kvevents.actions import Action, Apply, Clear, Complete, Confirm, Count, Replay
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvevents.misconfig import MODEL_NAME
 from kvevents.messages import (
     _STOP, DECODERS, RawMessage, Source, StoreObserver, _as_batch, _Bootstrap, _Disconnected, _Dropped,
     _Flush, _Forget, _Reconnected,
@@ -171,7 +172,33 @@ class _Shard(_Recovery):
                 pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries,
                 self.pool.config_check.stream(pod, model, rank, source.model),
             )
+            self._retire_wrong_models(st)
         return st
+
+    def _retire_wrong_models(self, new: _Stream) -> None:
+        """A publisher heard under a new model ends its streams flagged for the wrong model.
+
+        An engine publishes one model (its topic is set at start-up), so a new
+        model on the same (pod, rank) means it restarted with another one; the
+        old streams' flags and blocks (scoped to a model nobody scores) go.
+        What an old stream's replay took of the new process (replayed batches
+        carry no topic) goes with them; the new stream, fresh, takes the
+        engine's buffer from seq 0 again (``Sequencer`` rule for a first message).
+        """
+        for key, old in list(self.streams.items()):
+            if old is new or old.pod != new.pod or old.rank != new.rank:
+                continue
+            if not any(p.reason == MODEL_NAME for p in old.check.problems):
+                continue
+            del self.streams[key]
+            self.resync_due.discard(key)
+            self.retry_at.pop(key, None)
+            log.warning("kvevents: %s (rank %s) now publishes model %r: its stream of model %r is retired",
+                        new.pod, new.rank, new.model, old.model)
+            try:
+                self.pool.index.clear(old.pod, old.rank, model=old.model)
+            except IndexUnavailable as exc:
+                self._unavailable(f"pod {old.pod}: blocks of model {old.model!r} not removed: {exc}")
 
     # -- messages
 

@@ -439,3 +439,58 @@ def test_redis_outage_is_logged_once_and_counted_for_the_index_and_the_retained_
         store.get("c")
         assert index.link.outages == store.link.outages == 2
         assert len([x for x in _redis_lines(caplog) if "unreachable" in x]) == 2
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_pod_back_with_the_right_model_is_healthy_again(caplog, backend: str) -> None:
+    """An engine started with the wrong model, then restarted on the same ports with the right one:
+    the wrong model's stream (its flag and its blocks) is retired, the new one is complete."""
+    from examples.simfleet import SimEngine
+    from examples.vllm_fleet.fleet import free_port
+    from kvindex.facade import Indexer
+
+    ends = {"endpoint": f"tcp://127.0.0.1:{free_port()}", "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    cfg = Config.from_dict({
+        "model_name": "m", "token_processor_config": {"block_size": 4}, "kv_block_index_config": {"backend": backend},
+        "kv_events_config": {"engines": [{"pod": "pod-a", **ends}]},
+    })
+    prompt = list(range(1, 17))
+    wrong = SimEngine(pod="pod-a", model="other", block_size=4, capacity_blocks=64, pub_bind=True, **ends)
+    with Indexer(cfg) as ix:
+        try:
+            _wait(lambda: (wrong.serve(prompt), ix.stats().misconfigured)[1], "the wrong model flagged")
+            assert ix.stats().misconfigured[0].misconfigured == ("model_name",)
+        finally:
+            wrong.close()
+        right = None
+        for _ in range(50):  # the old sockets' ports may take a moment to be free again
+            try:
+                right = SimEngine(pod="pod-a", model="m", block_size=4, capacity_blocks=64, pub_bind=True, **ends)
+                break
+            except Exception:  # noqa: BLE001 - zmq's "address in use"
+                import time
+
+                time.sleep(0.1)
+        assert right is not None
+        served: list[list[int]] = []
+
+        def serve_next() -> bool:  # a new prompt each time: the engine publishes a batch each time
+            served.append([len(served) * 100 + t for t in range(1, 9)])
+            right.serve(served[-1])
+            return ix.score(served[-1]).prefix["pod-a"].matched_blocks == 2
+
+        try:
+            _wait(serve_next, "the right model's blocks")
+            _wait(lambda: not ix.stats().misconfigured, "the wrong model's stream retired")
+            assert ix.flush()
+            states = ix.completeness()
+            assert [(s.pod, s.model) for s in states] == [("pod-a", "m")] and states[0].complete
+            # the index holds what the new engine holds (its first batches replayed: the live stream was
+            # joined late), under the right model, and the wrong model's blocks are gone
+            held = right.cached_blocks()
+            want = [next((i for i, h in enumerate(right.hashes(p)) if h not in held), 2) for p in served]
+            got = [ix.score(p).prefix["pod-a"].matched_blocks for p in served]
+            assert got == want and sum(want) > 0
+            assert ix.index.stats().keys == len(held)
+        finally:
+            right.close()
