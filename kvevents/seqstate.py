@@ -23,7 +23,7 @@ class _SequencerState:
         "_r_start", "_r_first", "_r_count", "_r_cleared", "_resync_due", "_r_verify", "_r_restart",
         "_r_hole", "_r_retries", "_r_last0", "broken", "_rebuild_due",
         "max_retries", "retry_attempts", "_retry", "_gave_up", "_check_due", "_recent", "_r_bad", "_held",
-        "_mark",
+        "_mark", "down",
     )
 
     #: applied batches (live or replayed) whose timestamps are kept to judge a backward message
@@ -46,6 +46,7 @@ class _SequencerState:
         # (seq, ts) of the last batch applied before the connection dropped, until a check after the
         # reconnect finds it in the engine's buffer: what was applied since may be another process's
         self._mark: tuple[int, float | None] | None = None
+        self.down = False  # disconnected, not reconnected since: live messages may be missed
         self.complete = False
         self._replayed: dict[int, float] = {}  # seq -> ts of batches a replay applied
         self._recent: dict[int, float] = {}  # seq -> ts of the last RECENT batches applied (live or replayed)

@@ -402,6 +402,10 @@ class Sequencer(_SequencerState):
         pending, self._pending = self._pending, None
         held, self._held = self._held, None
         hold = self._replay_outcome(out, ok, op, progressed, bad_tail)
+        if ok and op == "restart" and self._r_count == 0 and self.last is None and not self.down:
+            # a new process whose buffer is empty has published nothing: it holds nothing, as we do
+            # (while disconnected, what it publishes next may be missed: the rejoin looks again)
+            self.exact = True
         if pending is not None and hold and (self.last is None or pending.seq > self.last):
             out.append(Count("deferred"))  # the retry fetches it from the engine's buffer
             pending = None
@@ -612,23 +616,27 @@ class Sequencer(_SequencerState):
         if self.last is not None:
             self.lost = True
             self._resync_due = True
+        else:
+            self.lost = True  # nothing applied: the next message starts the stream from the buffer
         self._set_complete(out, "message dropped")
         return out
 
     def disconnected(self) -> list[Action]:
         """The connection to the publisher dropped: messages may be lost, the engine may restart."""
         out: list[Action] = []
+        self.down = True
         if self.last is not None:
             self.suspect = True
             if self._mark is None:
                 self._mark = (self.last, self.last_ts)
-            self.lost = True
-            self._set_complete(out, "disconnected")
+        self.lost = True
+        self._set_complete(out, "disconnected")
         return out
 
     def reconnected(self) -> list[Action]:
         """The connection is back: check the publisher before anything else is applied."""
         out: list[Action] = []
+        self.down = False
         if not self.suspect:
             return out
         self.suspect = False

@@ -691,3 +691,35 @@ def test_a_gap_held_while_the_endpoint_stays_down_is_applied_past_as_before() ->
     assert s.live(b(5))[-1] == Replay(2)
     out = s.replay_end(False)
     assert applied(out) == [4, 5] and counts(out).get("gaps_unrecovered") == 1 and not s.complete
+
+
+def test_a_restarted_engine_that_has_published_nothing_leaves_the_stream_complete_and_empty() -> None:
+    """The reconnect check finds another process whose buffer is empty: it holds nothing, as the
+    cleared stream does, so the stream is complete (it used to stay incomplete until the engine
+    published); a drop or a disconnect before its first message makes it incomplete again."""
+    s = started(3)
+    s.disconnected()
+    assert not s.complete
+    assert s.reconnected()[-1] == Confirm(2, 102.0)
+    out = s.confirmed(False)
+    assert any(isinstance(a, Clear) for a in out) and out[-1] == Replay(0)
+    assert not s.complete  # asked, not answered yet
+    s.replay_end(True)  # the new process's buffer: empty
+    assert s.complete and s.last is None
+    s.dropped()
+    assert not s.complete
+    assert s.live(b(1, ts=900.0))[-1] == Replay(0)  # its next message starts it from the buffer
+    s.replayed(b(0, ts=899.0))
+    s.replayed(b(1, ts=900.0))
+    s.replay_end(True)
+    assert s.complete and s.last == 1
+
+
+def test_a_restart_found_while_disconnected_again_is_not_complete() -> None:
+    s = started(1)
+    s.disconnected()
+    s.reconnected()
+    s.disconnected()  # down again before the check's answer
+    s.confirmed(False)
+    s.replay_end(True)
+    assert not s.complete and s.last is None

@@ -690,3 +690,32 @@ def test_a_message_continuing_our_seq_after_a_disconnect_does_not_stand_for_the_
     rig.pool.reconnected(e.pod, 0, rig.source(e))
     assert rig.pool.flush(10)
     assert rig.view(e) == e.view() and rig.state(e).complete and rig.pool.stats().restarts == 1
+
+
+def test_an_engine_restarted_with_nothing_published_is_complete_and_empty() -> None:
+    """The fake engine restarts (new process, empty cache) and publishes nothing: the indexer
+    drops its blocks and reports the stream complete (it used to stay 'disconnected' until the
+    engine published again), and picks up what the new process publishes later."""
+    from kvevents.testing import FakeEngine
+    from kvindex.facade import Config
+
+    eng = FakeEngine(pod="pod-a", model="m", block_size=4, capacity_blocks=64)
+    cfg = Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": 4},
+                            "kv_events_config": {"engines": [eng.engine_entry()]}})
+    try:
+        with Indexer(cfg) as ix:
+            for i in range(3):
+                eng.serve([i * 100 + t for t in range(1, 17)])
+            assert ix.flush()
+            assert ix.index.stats().keys == 12 and all(s.complete for s in ix.completeness())
+            eng.restart()
+            deadline = time.monotonic() + 60
+            while not (ix.index.stats().keys == 0 and all(s.complete for s in ix.completeness())):
+                assert time.monotonic() < deadline, ix.completeness()
+                time.sleep(0.05)
+            eng.serve(list(range(1, 9)))
+            assert ix.flush()
+            assert ix.score(list(range(1, 9))).prefix["pod-a"].matched_blocks == 2
+            assert ix.index.stats().keys == 2 and all(s.complete for s in ix.completeness())
+    finally:
+        eng.close()
