@@ -72,9 +72,19 @@ class ConfigCheck:
         self.keeps_groups = keeps_groups
         self._alternatives: list[tuple[TokenProcessor, str]] | None = None
 
-    def stream(self, pod: str, model: str | None, dp_rank: int, configured_model: str | None = None) -> StreamCheck:
-        """The check of a new stream (its model problem, if any, is found and logged now)."""
-        return StreamCheck(self, pod, model, dp_rank, configured_model)
+    def stream(
+        self, pod: str, model: str | None, dp_rank: int, configured_model: str | None = None, engine: str = "vllm"
+    ) -> StreamCheck:
+        """The check of a new stream (its model problem, if any, is found and logged now).
+
+        ``engine``: the wire format.  vLLM's ``block_size`` is the engine's
+        block size in every event, so every store is evidence; SGLang's is its
+        page's length, so a store shorter than one of our blocks (a radix
+        node's short last page) is not.
+        """
+        check = StreamCheck(self, pod, model, dp_rank, configured_model)
+        check.short_events_count = engine != "sglang"
+        return check
 
     def alternatives(self) -> list[tuple[TokenProcessor, str]]:
         """Engine-hash processors of the other algorithm / default seed, with the setting that names each."""
@@ -99,7 +109,7 @@ class StreamCheck:
     ``problems`` (read by any thread) is replaced, never changed in place.
     """
 
-    __slots__ = ("_owner", "pod", "model", "dp_rank", "_size_ok", "_hash_ok", "problems")
+    __slots__ = ("_owner", "pod", "model", "dp_rank", "_size_ok", "_hash_ok", "problems", "short_events_count")
 
     def __init__(
         self, owner: ConfigCheck, pod: str, model: str | None, dp_rank: int, configured_model: str | None
@@ -112,6 +122,7 @@ class StreamCheck:
         self._size_ok = tp is None
         self._hash_ok = tp is None or not tp.engine_compatible
         self.problems: tuple[Misconfig, ...] = ()
+        self.short_events_count = False  # a store shorter than one of our blocks tells the block size
         expected = configured_model if configured_model is not None else owner.model_name
         # engine-hash keys do not depend on the model name: any model matches there
         if expected is not None and model != expected and not (tp is not None and tp.engine_compatible):
@@ -151,7 +162,7 @@ class StreamCheck:
         for ev in events:
             if type(ev) is not BlockStored or not ev.token_ids:
                 continue
-            if len(ev.token_ids) < bs:
+            if len(ev.token_ids) < bs and not self.short_events_count:
                 continue  # shorter than one of our blocks: SGLang's short last page of a node, not evidence
             sizes.add(ev.block_size)
             if ev.block_size == bs and not self._hash_ok and _hashable(ev, bs):

@@ -170,7 +170,7 @@ class _Shard(_Recovery):
         if st is None:
             st = self.streams[key] = _Stream(
                 pod, model, rank, source.replay_endpoint(pod, rank), source.engine, self.pool.replay_retries,
-                self.pool.config_check.stream(pod, model, rank, source.model),
+                self.pool.config_check.stream(pod, model, rank, source.model, source.engine),
             )
             self._retire_wrong_models(st)
         return st

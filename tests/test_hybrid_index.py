@@ -238,7 +238,8 @@ def test_ignoring_group_idx_on_removal_breaks_the_property(monkeypatch: pytest.M
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
             CompatEngines,
-            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate]),
+            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate],
+                              derandomize=True),
         )
 
 
@@ -250,7 +251,8 @@ def test_believing_every_reannounced_block_breaks_the_property(monkeypatch: pyte
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
             CompatEngines,
-            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate]),
+            settings=settings(max_examples=400, stateful_step_count=40, database=None, phases=[Phase.generate],
+                              derandomize=True),
         )
 
 

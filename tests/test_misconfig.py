@@ -494,3 +494,19 @@ def test_a_pod_back_with_the_right_model_is_healthy_again(caplog, backend: str) 
             assert ix.index.stats().keys == len(held)
         finally:
             right.close()
+
+
+def test_a_vllm_store_shorter_than_our_block_tells_the_block_size_and_an_sglang_page_does_not() -> None:
+    """vLLM's block_size is its engine's in every event (a decode step's one 16-token block shows a
+    16-token engine to a 32-token index); SGLang's is the page's length (a node's short last page)."""
+    from kvevents.events import BlockStored
+    from kvevents.misconfig import ConfigCheck
+    from kvindex.keys import TokenProcessor
+
+    one_block = [BlockStored((1,), None, tuple(range(16)), 16, "gpu")]
+    vllm = ConfigCheck(TokenProcessor(block_size=32)).stream("pod-a", "m", 0)
+    vllm.events(one_block)
+    assert [p.reason for p in vllm.problems] == ["block_size"]
+    sglang = ConfigCheck(TokenProcessor(block_size=32)).stream("pod-a", "m", 0, engine="sglang")
+    sglang.events(one_block)
+    assert sglang.problems == () and sglang.watching
