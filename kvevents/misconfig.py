@@ -82,9 +82,7 @@ class ConfigCheck:
         page's length, so a store shorter than one of our blocks (a radix
         node's short last page) is not.
         """
-        check = StreamCheck(self, pod, model, dp_rank, configured_model)
-        check.short_events_count = engine != "sglang"
-        return check
+        return StreamCheck(self, pod, model, dp_rank, configured_model, short_events_count=engine != "sglang")
 
     def alternatives(self) -> list[tuple[TokenProcessor, str]]:
         """Engine-hash processors of the other algorithm / default seed, with the setting that names each."""
@@ -112,7 +110,8 @@ class StreamCheck:
     __slots__ = ("_owner", "pod", "model", "dp_rank", "_size_ok", "_hash_ok", "problems", "short_events_count")
 
     def __init__(
-        self, owner: ConfigCheck, pod: str, model: str | None, dp_rank: int, configured_model: str | None
+        self, owner: ConfigCheck, pod: str, model: str | None, dp_rank: int, configured_model: str | None,
+        *, short_events_count: bool = False,
     ) -> None:
         self._owner = owner
         self.pod = pod
@@ -122,7 +121,7 @@ class StreamCheck:
         self._size_ok = tp is None
         self._hash_ok = tp is None or not tp.engine_compatible
         self.problems: tuple[Misconfig, ...] = ()
-        self.short_events_count = False  # a store shorter than one of our blocks tells the block size
+        self.short_events_count = short_events_count  # a store shorter than one of our blocks tells the block size
         expected = configured_model if configured_model is not None else owner.model_name
         # engine-hash keys do not depend on the model name: any model matches there
         if expected is not None and model != expected and not (tp is not None and tp.engine_compatible):

@@ -613,11 +613,9 @@ class Sequencer(_SequencerState):
             # still newer process's first batch): the next message no longer confirms it
             self._candidate = None
             out.append(Count("unconfirmed"))
+        self.lost = True  # with nothing applied, the next message starts the stream from the buffer
         if self.last is not None:
-            self.lost = True
             self._resync_due = True
-        else:
-            self.lost = True  # nothing applied: the next message starts the stream from the buffer
         self._set_complete(out, "message dropped")
         return out
 

@@ -152,9 +152,7 @@ class _Shard(_Recovery):
             for key in [k for k in self.rejoin if k[0] == item.pod]:
                 del self.rejoin[key]
             for key in [k for k in self.streams if k[0] == item.pod]:
-                del self.streams[key]
-                self.resync_due.discard(key)
-                self.retry_at.pop(key, None)
+                self._drop_stream(key)
             try:
                 self.pool.index.clear(item.pod)
             except IndexUnavailable as exc:
@@ -175,6 +173,12 @@ class _Shard(_Recovery):
             self._retire_wrong_models(st)
         return st
 
+    def _drop_stream(self, key: StreamKey) -> None:
+        """Forget a stream's sequence state and its pending resync and retry."""
+        del self.streams[key]
+        self.resync_due.discard(key)
+        self.retry_at.pop(key, None)
+
     def _retire_wrong_models(self, new: _Stream) -> None:
         """A publisher heard under a new model ends its streams flagged for the wrong model.
 
@@ -190,9 +194,7 @@ class _Shard(_Recovery):
                 continue
             if not any(p.reason == MODEL_NAME for p in old.check.problems):
                 continue
-            del self.streams[key]
-            self.resync_due.discard(key)
-            self.retry_at.pop(key, None)
+            self._drop_stream(key)
             log.warning("kvevents: %s (rank %s) now publishes model %r: its stream of model %r is retired",
                         new.pod, new.rank, new.model, old.model)
             try:
