@@ -44,11 +44,13 @@ from connector.decode_alone import DecodeAloneRule, PathTokens, decode_alone_par
 from connector.guard import GuardResult, clip_to_prompt
 from connector.params import RemoteKVParams, prefill_request_params
 from connector.retained import RetainedEntry, RetainedStore
+from kvindex.contract import GroupAware
+from kvindex.hybrid_score import bound_matches
 from kvindex.keys import TokenProcessor
 from kvindex.tiers import TierWeights
 from scorer.load import LoadSnapshot
 from scorer.picker import Choice, WeightedPicker
-from scorer.prefix import PrefixIndex, predicted_cached_tokens, score_prefix
+from scorer.prefix import PrefixIndex, PrefixScore, predicted_cached_tokens, prefix_scores_from_matches, score_prefix
 
 __all__ = ["TurnPlan", "PlannerStats", "PDPlanner", "predicted_pull_tokens"]
 
@@ -206,6 +208,7 @@ class PDPlanner:
         self.guard = guard
         self.model = model
         self.decode_alone_rule = decode_alone
+        self._grouped = isinstance(index, GroupAware)  # hybrid models: hits follow the engine's rule
         self._lock = threading.Lock()
         self._turns = 0
         self._pulls = 0
@@ -220,6 +223,15 @@ class PDPlanner:
     def request_keys(self, tokens: Sequence[int] | np.ndarray, cache_salt: str | None = None) -> np.ndarray:
         """Request keys of ``tokens``' whole blocks (uint64 array), salted with ``cache_salt`` when given."""
         return self.tp.request_keys(tokens, model=self.model, cache_salt=cache_salt or None)
+
+    def _scores(self, keys: np.ndarray, pods: list[str], n_prompt: int) -> dict[str, PrefixScore]:
+        """Prefix scores of ``pods``; a hybrid pod's match cut to its engine's hit rule (GroupAware index)."""
+        if not self._grouped:
+            return score_prefix(self.index, keys, pods, block_size=self.block_size, weights=self.weights)
+        matches = self.index.prefix_match(keys, pods) if len(keys) and pods else {}
+        if matches:
+            matches, _ = bound_matches(self.index, matches, keys, self.block_size, n_prompt, self.model)
+        return prefix_scores_from_matches(matches, len(keys), self.block_size, pods, self.weights)
 
     # ------------------------------------------------------------------ turns
 
@@ -347,7 +359,7 @@ class PDPlanner:
         reasons: list[str],
     ) -> tuple[Choice, int]:
         """P by prefix and load; (its choice, the prompt tokens it will find in its own prefix cache)."""
-        scores = score_prefix(self.index, keys, list(prefill_pods), block_size=self.block_size, weights=self.weights)
+        scores = self._scores(keys, list(prefill_pods), n_prompt)
         choice = self.prefill_picker.pick(scores, loads, list(prefill_pods))
         p = choice.pod
         local = predicted_cached_tokens(scores[p].matched_blocks, n_prompt, self.block_size)
@@ -363,7 +375,7 @@ class PDPlanner:
         D's retained blocks stay in its prefix cache (vLLM 0.32 keeps them
         hashed while it waits for a pull), so any tier counts for D's hit.
         """
-        scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
+        scores = self._scores(keys, list(decode_pods), n_prompt)
         choice = self.decode_picker.pick(scores, loads, list(decode_pods))
         d = choice.pod
         held = predicted_cached_tokens(scores[d].matched_blocks, n_prompt, self.block_size)
@@ -443,7 +455,7 @@ class PDPlanner:
             raise ValueError("decode_only needs at least one decode pod")
         tokens = np.asarray(prompt_tokens, dtype=np.int64)
         keys = self.request_keys(tokens, cache_salt)
-        d_scores = score_prefix(self.index, keys, list(decode_pods), block_size=self.block_size, weights=self.weights)
+        d_scores = self._scores(keys, list(decode_pods), len(tokens))
         d_choice = self.decode_picker.pick(d_scores, loads or {}, list(decode_pods))
         d = d_choice.pod
         with self._lock:

@@ -275,3 +275,24 @@ def test_cache_salt_scopes_local_hits_and_the_retained_entry():
     planner.decode_answered(plan2, d_answer(len(prompt2) + 9), prompt2 + list(range(900, 910)))
     other = planner.plan("c", prompt2 + [8] * 40, ["p0"], ["d0"], cache_salt="tenant-b")
     assert other.action == "recompute" and other.local_tokens == 0, other.explain()
+
+
+def test_a_hybrid_prefill_pod_is_promised_what_its_hit_rule_serves():
+    """P holds 8 blocks in its full-attention group but only blocks 0-3 in its sliding-window group
+    (window 2 blocks): vLLM serves 4 blocks from cache, not 8; the plan says 4 and why."""
+    from kvindex.hybrid import GroupSpec
+
+    planner, _ = make()
+    prompt = list(range(1000, 1000 + 8 * BS + 5))
+    full = GroupSpec(group_idx=1, kind="full_attention", block_size=BS)
+    swa = GroupSpec(group_idx=0, kind="sliding_window", block_size=BS, window=2 * BS)
+    hashes = [5000 + i for i in range(8)]
+    index = planner.index
+    index.block_stored("p0", 0, hashes[:4], None, prompt[: 4 * BS], GPU, block_size=BS, group=swa)
+    index.block_stored("p0", 0, hashes, None, prompt[: 8 * BS], GPU, block_size=BS, group=full)
+    plan = planner.plan(None, prompt, ["p0"], ["d0"])
+    assert plan.local_tokens == 4 * BS, plan.explain()
+    # the same index without the sliding-window group promises all 8 blocks
+    plain, _ = make()
+    plain.index.block_stored("p0", 0, hashes, None, prompt[: 8 * BS], GPU, block_size=BS, group=full)
+    assert plain.plan(None, prompt, ["p0"], ["d0"]).local_tokens == 8 * BS
