@@ -545,8 +545,9 @@ class PDPlanner:
         toks = np.asarray(tokens, dtype=np.int64)
         n = decode_answer.remote_num_tokens if decode_answer.remote_num_tokens is not None else len(toks)
         need = -(-n // self.block_size)
-        if n > len(toks) or any(len(g) < need for g in decode_answer.remote_block_ids):
-            # D's answer does not fit the tokens: never keep it
+        if n > len(toks) or all(len(g) < need for g in decode_answer.remote_block_ids):
+            # D's answer does not fit the tokens (no group names every block; a hybrid's
+            # sliding-window or Mamba group names only its tail: connector.guard): never keep it
             self.store.discard(cid)
             with self._lock:
                 self._bad_answers += 1

@@ -296,3 +296,29 @@ def test_a_hybrid_prefill_pod_is_promised_what_its_hit_rule_serves():
     plain, _ = make()
     plain.index.block_stored("p0", 0, hashes, None, prompt[: 8 * BS], GPU, block_size=BS, group=full)
     assert plain.plan(None, prompt, ["p0"], ["d0"]).local_tokens == 8 * BS
+
+
+def test_a_hybrid_decode_answer_is_retained_and_reused_whole():
+    """vLLM 0.32's NixlConnector names a sliding-window group's in-window tail only: D's answer is kept,
+    the next turn extending it pulls, and a turn editing inside it gets no params (P recomputes)."""
+    planner, _ = make(threshold=0)
+    prompt1, output = list(range(1000, 1000 + 6 * BS)), [7, 8, 9]
+    held = len(prompt1) + len(output) - 1
+
+    def first_turn(cid: str, groups: list[list[int]] | None = None) -> object:
+        plan = planner.plan(cid, prompt1, ["p0"], ["d0"])
+        answer = d_answer(held).to_dict()
+        answer["remote_block_ids"] = groups or [[90, 91], answer["remote_block_ids"][0]]  # group 0: the window's tail
+        return planner.decode_answered(plan, parse_params(answer), prompt1 + output)
+
+    assert first_turn("extends") is not None and first_turn("edits") is not None
+    assert planner.stats().bad_decode_answers == 0
+    extended = planner.plan("extends", prompt1 + output + [4, 5], ["p0"], ["d0"])
+    assert extended.action == "pull" and extended.pulled_tokens == held, extended.explain()
+    edited = list(prompt1 + output)
+    edited[3 * BS] += 1
+    clipped = planner.plan("edits", edited + [4, 5], ["p0"], ["d0"])
+    assert clipped.action == "recompute" and clipped.guard is not None and clipped.guard.clipped, clipped.explain()
+    # every group short of the tokens: the answer does not belong to them
+    assert first_turn("bad", [[90, 91], [92]]) is None
+    assert planner.stats().bad_decode_answers == 1

@@ -657,13 +657,16 @@ class Router:
         """Wait (bounded) until the index holds every full block of ``tokens`` on ``pod``.
 
         For tests and demos that must not score the next request before the
-        previous one's KV events are applied. Returns False on timeout.
+        previous one's KV events are applied. Returns False on timeout.  The
+        blocks stored, not the hit: a hybrid engine serves less from cache
+        than it stores (:func:`kvindex.hybrid.predict_hit`).
         """
         assert self.indexer is not None
-        want = len(tokens) // self.indexer.token_processor.block_size
+        keys = self.indexer.request_keys(list(tokens))
+        want = len(keys)
         deadline = time.monotonic() + timeout
         while True:
-            got = self.indexer.score(list(tokens), [pod]).prefix[pod].matched_blocks
+            got = len(self.indexer.index.prefix_match(keys, [pod]).get(pod, ())) if want else 0
             if got >= want:
                 return True
             if time.monotonic() >= deadline:
