@@ -81,12 +81,14 @@ def max_diff(a: dict[str, float], b: dict[str, float]) -> float:
 async def two_turns(
     session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str, edit: str, *, wait: float = 0.0,
     between: Callable[[], Awaitable[None]] | None = None,
+    before_turn2: Callable[[list[int]], Awaitable[None]] | None = None,
 ) -> tuple[Turn, Turn, list[int], list[int], float]:
     """Turn 1 (300 tokens, FIRST_ANSWER generated), then turn 2 = edited history + 40 new tokens;
     the last item is the seconds from turn 1's end to turn 2's start (D's TTL runs meanwhile).
 
     ``between``: other conversations to run between the turns; ``wait``: turn 2 starts at least
-    this many seconds after turn 1 ended (the time ``between`` took counts)."""
+    this many seconds after turn 1 ended (the time ``between`` took counts); ``before_turn2``
+    gets turn 2's prompt right before it is sent."""
     prompt1 = ids(cid, 300)
     t1 = await run_turn(session, rr.url, fleet, cid, prompt1, max_tokens=FIRST_ANSWER)
     t1_done = time.monotonic()
@@ -108,6 +110,8 @@ async def two_turns(
     left = wait - (time.monotonic() - t1_done)
     if left > 0:
         await asyncio.sleep(left)
+    if before_turn2 is not None:
+        await before_turn2(prompt2)
     gap = time.monotonic() - t1_done
     t2 = await run_turn(session, rr.url, fleet, cid, prompt2, max_tokens=4, logprobs=5)
     return t1, t2, retained, prompt2, gap
