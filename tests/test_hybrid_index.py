@@ -257,11 +257,8 @@ def test_believing_every_reannounced_block_breaks_the_property(monkeypatch: pyte
 
 
 def test_only_the_reference_is_group_aware() -> None:
-    """The compiled and Redis backends merge groups for now: the write path keeps their calls as before."""
-    from kvindex.redis_index import RedisKVBlockIndex
-
+    """The compiled backend merges groups for now: the write path keeps its calls as before."""
     assert isinstance(KVBlockIndex(), GroupAware)
-    assert not hasattr(RedisKVBlockIndex, "group_match")
     native = pytest.importorskip("kvindex.native")
     ix = native.NativeKVBlockIndex(TokenProcessor(BS))
     assert not isinstance(ix, GroupAware)
