@@ -38,6 +38,8 @@ key                    type    content
                                ``<rk>:<bit>`` -> reference count
 ``n``                  hash    sizes: ``entries``, ``engine_keys``
 ``l2order``            zset    models' level-2 maps in creation order
+``gs:``, ``gr:``, ...          KV-cache groups (hybrid models): see
+                               :mod:`kvindex.redis_groups`
 =====================  ======  ===============================================
 
 Round trips: every operation is ONE server-side Lua script (EVALSHA; see
@@ -77,6 +79,11 @@ Stated differences from the reference:
   ``held_ttl`` seconds after its last add, so a replica that dies leaves
   none behind for long.
 - At most 31 tiers (masks are 31-bit in Lua).
+- KV-cache groups (:class:`kvindex.contract.GroupAware`, as the reference):
+  specs, tables and the report window are shared in Redis; own-hash stores
+  of a non-primary group waiting for their parent stay in the process (as
+  orphans), and the hybrid streams :meth:`grouped_ranks` answers from are
+  read at most once a second (:mod:`kvindex.redis_groups`).
 
 Outage: reads (prefix_match, lookup, best_dp_rank, pods, ...) that cannot
 reach Redis, or that it answers with an error (BUSY, OOM, READONLY, a failed
