@@ -138,7 +138,7 @@ def _chained_op(
         ops.tokens = True
         ops.add(i, ("S", bit, pek, prk, _words(eks), _words(rks)), len(eks), tail_)
     else:
-        ops.tokens = ops.tokens or group[2] == 1  # a full-attention group: the main tables, likely
+        ops.tokens = ops.tokens or group[3] == 1  # a full-attention group: the main tables, likely
         ops.add(i, (*group, "S", bit, pek, prk, _words(eks), _words(rks)), len(eks), tail_, grouped=True)
     return True
 

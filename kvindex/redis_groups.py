@@ -120,6 +120,7 @@ class RedisGroupsMixin:
             else:
                 check_group_tokens(self.block_size, len(eks), len(token_ids), block_size)
             pek, prk = ("", "") if parent is None else (parent, "*")
+            ops.tokens = full  # a full-attention group: the main tables, likely (the models seen)
             ops.add(0, (*head, "S", bit, pek, prk, _words(eks), _words(eks)), len(eks), grouped=True)
             return self._send(pod, rank, mid, model, ops)[1]
         extras, lora = checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
@@ -225,8 +226,8 @@ class RedisGroupsMixin:
         res = None if mid is None else self._run("group_specs", pod, int(dp_rank), mid, write=False)
         if not res:
             return {}
-        fields = dict(zip(res[::2], res[1::2]))
-        return {int(g): _spec(int(g), v) for g, v in sorted(fields.items(), key=lambda f: f[0]) if g != b"p"}
+        specs = {int(g): v for g, v in zip(res[::2], res[1::2]) if g != b"p"}
+        return {g: _spec(g, specs[g]) for g in sorted(specs)}
 
     def group_match(
         self, request_keys: Sequence[int], pod: str, dp_rank: int = 0, *, model: str | None = None
