@@ -451,6 +451,9 @@ def test_two_redis_indexes_agree_on_a_hybrid_stream(redis_url: str) -> None:
 
     g = GPU_BIT
     agree({0: [0, g, g, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 3 * BS, None)
+    # the other replica ingests the same events too (both subscribe): nothing changes
+    assert not reader.apply_events("a", 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS).errors
+    agree({0: [0, g, g, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 3 * BS, None)
     # a removal of one group, ingested by the other replica, never crosses into another group
     removal = decode_vllm_batch(batch_payload([removed_event([eks[2]]) | {"group_idx": 0}])).events
     for ix in (reader, reference):
