@@ -118,6 +118,8 @@ def _chained_op(
 
     ``group``: the head of a KV-cache group's op (:func:`kvindex.redis_groups.group_head`), else None.
     """
+    pek: Any
+    prk: Any
     if ix._compat or not eks:
         rks, pek, prk = eks, "", ""
         if group is not None and parent is not None:  # the parent decides the report-window trim only

@@ -119,16 +119,18 @@ class RedisGroupsMixin:
                 checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
             else:
                 check_group_tokens(self.block_size, len(eks), len(token_ids), block_size)
-            pek, prk = ("", "") if parent is None else (parent, "*")
+            pek, star = ("", "") if parent is None else (parent, "*")
             ops.tokens = full  # a full-attention group: the main tables, likely (the models seen)
-            ops.add(0, (*head, "S", bit, pek, prk, _words(eks), _words(eks)), len(eks), grouped=True)
+            ops.add(0, (*head, "S", bit, pek, star, _words(eks), _words(eks)), len(eks), grouped=True)
             return self._send(pod, rank, mid, model, ops)[1]
         extras, lora = checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
         main, prk = 0, None
         if full or parent is not None:  # learn the route (and resolve the parent) before chaining
-            main, prk = self._run("glearn", pod, rank, mid, group.group_idx, head[2], head[3],
-                                  "" if parent is None else parent, self._compat_arg, write=True, model=model)
-            prk = None if not prk else int(prk)
+            main, got, hybrid = self._run("glearn", pod, rank, mid, group.group_idx, head[2], head[3],
+                                          "" if parent is None else parent, self._compat_arg, write=True, model=model)
+            prk = int(got) if got else None
+            if hybrid:
+                self._hybrid = None  # which streams are hybrid: read again
         stream = (pod, rank, model)
         if main:  # the primary group: the main tables, as a store without a group
             item = _Orphan(pod, rank, tuple(eks), token_ids, bit, extras, lora, model, set())
@@ -160,8 +162,8 @@ class RedisGroupsMixin:
             progress = False
             for item in list(waiting):
                 head = group_head(item.group)
-                _main, prk = self._run("glearn", pod, rank, mid, item.group.group_idx, head[2], head[3],
-                                       item.parent, self._compat_arg, write=True, model=model)
+                _main, prk, _hybrid = self._run("glearn", pod, rank, mid, item.group.group_idx, head[2],
+                                                head[3], item.parent, self._compat_arg, write=True, model=model)
                 if not prk:
                     continue
                 waiting.remove(item)

@@ -108,7 +108,6 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
-from kvindex import redis_batch
 from kvindex.hybrid import GroupSpec
 from kvindex.redis_batch import BatchOps, bit_of as _bit, prepare, store_op, tally
 from kvindex.redis_groups import RedisGroupsMixin
@@ -594,8 +593,9 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
                 model=None if every or mid_arg == "-" else model,
             ))
             self._drop_orphans_of(pod, dp_rank, model)
-            for s in [s for s in self._gwaiting if s[0] == pod and dp_rank in (None, s[1]) and (every or s[2] == model)]:
-                self._c["group_unmapped"] += sum(len(w.eks) for w in self._gwaiting.pop(s))
+            for s in [s for s in self._gwaiting if s[0] == pod and dp_rank in (None, s[1])]:
+                if every or s[2] == model:
+                    self._c["group_unmapped"] += sum(len(w.eks) for w in self._gwaiting.pop(s))
             self._hybrid = None
             if n:
                 self._c["clears"] += 1

@@ -170,14 +170,15 @@ local function gclear_streams(pod, rank, mid, compat)
 end
 """
 
-# ARGV: P, pod, rank, mid, g, spec, full (0/1), parent ek, compat -> {main 0/1, parent's request key or false}
+# ARGV: P, pod, rank, mid, g, spec, full (0/1), parent ek, compat
+# -> {main 0/1, parent's request key or false, 1 if the stream became hybrid}
 # (learns the spec first, as a store does)
 _GLEARN = r"""
 local pod, rank, mid, g = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local main = learn(mid, rank, pod, g, ARGV[6], ARGV[7] == '1')
 local rk
 if main then rk = resolve(pod, rank, mid, ARGV[8]) else rk = gresolve(mid, rank, g, pod, ARGV[8], ARGV[9] == '1') end
-return {main and 1 or 0, rk or false}
+return {main and 1 or 0, rk or false, newhybrid}
 """
 
 # ARGV: P, pod, rank, mid -> {field, value, ...} of the stream's specs ('p': the primary group)

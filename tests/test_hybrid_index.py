@@ -377,9 +377,37 @@ class RedisHybridEngines(HybridEngines):
         assert isinstance(self.index, RedisKVBlockIndex) and isinstance(self.index, GroupAware)
         self.paths = _paths(0)
         self.held = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
+        # the reference, fed the same batches, clears and report windows: the oracle of every group read
+        self.ref = KVBlockIndex(self.tp)
+        for name in ("clear", "distrust_reports"):
+            setattr(self.index, name, self._both(getattr(self.index, name), getattr(self.ref, name)))
+
+    @staticmethod
+    def _both(redis_call, reference_call):
+        def call(*args, **kw):
+            reference_call(*args, **kw)
+            return redis_call(*args, **kw)
+        return call
+
+    def publish(self, pod: str, events: list) -> None:
+        super().publish(pod, events)
+        r = self.ref.apply_events(pod, 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS)
+        assert not r.errors, r.errors
 
     def teardown(self) -> None:
         self.index.client.close()
+
+    @invariant()
+    def reads_as_the_reference(self) -> None:
+        for pod in PODS:
+            assert self.index.group_specs(pod) == self.ref.group_specs(pod)
+            assert self.index.grouped_ranks(pod) == self.ref.grouped_ranks(pod)
+            for path in self.paths:
+                keys = self.tp.request_keys(path)
+                assert self.index.group_match(keys, pod) == self.ref.group_match(keys, pod), (pod, path)
+        a, b = self.index.stats(), self.ref.stats()
+        assert (a.group_entries, a.group_unmapped, a.group_trimmed) == (b.group_entries, b.group_unmapped,
+                                                                         b.group_trimmed)
 
     @invariant()
     def counts_its_group_entries(self) -> None:
