@@ -64,6 +64,7 @@ bench: $(BENCH)
 	$(PY) bench/bench_decode.py
 	$(PY) bench/bench_index.py
 	$(PY) bench/bench_redis.py
+	$(PY) bench/bench_redis_groups.py
 	$(PY) bench/bench_dynamo.py
 	$(PY) -m bench.sim
 

@@ -50,7 +50,9 @@ def bound_matches(
         groups = index.group_match(keys, pod, rank, model=model)
 
         def present(g: int, end: int, groups: dict[int, list[int]] = groups) -> bool:
-            return bool(groups[g][end // block_size - 1])
+            # a group missing here was cleared since its spec was read (or the store was out of reach)
+            masks = groups.get(g)
+            return bool(masks and masks[end // block_size - 1])
 
         hit = predict_hit(list(specs.values()), present, prompt_tokens)
         out[pod] = masks[: hit.tokens // block_size]

@@ -38,6 +38,8 @@ key                    type    content
                                ``<rk>:<bit>`` -> reference count
 ``n``                  hash    sizes: ``entries``, ``engine_keys``
 ``l2order``            zset    models' level-2 maps in creation order
+``gs:``, ``gr:``, ...          KV-cache groups (hybrid models): see
+                               :mod:`kvindex.redis_groups`
 =====================  ======  ===============================================
 
 Round trips: every operation is ONE server-side Lua script (EVALSHA; see
@@ -77,6 +79,11 @@ Stated differences from the reference:
   ``held_ttl`` seconds after its last add, so a replica that dies leaves
   none behind for long.
 - At most 31 tiers (masks are 31-bit in Lua).
+- KV-cache groups (:class:`kvindex.contract.GroupAware`, as the reference):
+  specs, tables and the report window are shared in Redis; own-hash stores
+  of a non-primary group waiting for their parent stay in the process (as
+  orphans), and the hybrid streams :meth:`grouped_ranks` answers from are
+  read at most once a second (:mod:`kvindex.redis_groups`).
 
 Outage: reads (prefix_match, lookup, best_dp_rank, pods, ...) that cannot
 reach Redis, or that it answers with an error (BUSY, OOM, READONLY, a failed
@@ -101,7 +108,9 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
+from kvindex.hybrid import GroupSpec
 from kvindex.redis_batch import BatchOps, bit_of as _bit, prepare, store_op, tally
+from kvindex.redis_groups import RedisGroupsMixin
 from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
 from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
@@ -124,7 +133,7 @@ def _ints(values: Iterable[Any]) -> list[int]:
     return values.tolist() if hasattr(values, "tolist") else [int(v) for v in values]
 
 
-class RedisKVBlockIndex(SideTables):
+class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
     """The two-level KV block index kept in Redis, shared by router replicas.
 
     Args:
@@ -212,9 +221,13 @@ class RedisKVBlockIndex(SideTables):
                 "speculative_expired",
                 "clears",
                 "dropped_writes",
+                "group_unmapped",
+                "group_trimmed",
+                "group_evictions",
             ),
             0,
         )
+        self._init_groups()
 
     # ------------------------------------------------------------- plumbing
 
@@ -276,6 +289,7 @@ class RedisKVBlockIndex(SideTables):
                 # orphans and the models' ids were the old data's
                 self._drop_all_orphans()
                 self._forget_models()
+                self._forget_groups()
         self._epoch = cur
 
     def _forget_models(self) -> None:
@@ -355,8 +369,11 @@ class RedisKVBlockIndex(SideTables):
         extra_keys: Sequence[Sequence | None] | None = None,
         lora_name: str | None = None,
         model: str | None = None,
+        group: GroupSpec | None = None,
     ) -> int:
         """Apply one BlockStored event (as :meth:`kvindex.reference.KVBlockIndex.block_stored`).
+
+        ``group``: the event's KV-cache group (:mod:`kvindex.redis_groups`); None for a plain store.
 
         Raises:
             ValueError: as the reference.
@@ -366,6 +383,10 @@ class RedisKVBlockIndex(SideTables):
         rank = int(dp_rank)
         eks = _ints(engine_keys)
         with self._lock:
+            if group is not None:
+                parent = None if parent_engine_key is None else int(parent_engine_key)
+                return self._store_group(
+                    pod, rank, eks, parent, token_ids, bit, block_size, extra_keys, lora_name, model, group)
             if token_ids is None or len(token_ids) == 0:
                 mid = self._mid(model, create=True)
                 stored, evictions, confirmed, unknown = self._run(
@@ -378,12 +399,25 @@ class RedisKVBlockIndex(SideTables):
                 return stored
             extras, lora_name = checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
             mid = self._mid(model, create=True)
-            if model not in self._models:
-                self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
-                self._models.add(model)
-            if self._compat:
-                return self._store(pod, rank, mid, bit, eks, eks, model)
+            assert mid is not None
             item = _Orphan(pod, rank, tuple(eks), token_ids, bit, extras, lora_name, model, set())
+            parent = None if parent_engine_key is None else int(parent_engine_key)
+            n = self._store_checked(pod, rank, mid, model, eks, parent, item)
+            if self._gwaiting.get((pod, rank, model)) and not self._compat:
+                self._release_waiting((pod, rank, model), mid)
+            return n
+
+    def _store_checked(
+        self, pod: str, rank: int, mid: int, model: str | None, eks: list[int], parent_engine_key: int | None,
+        item: _Orphan,
+    ) -> int:
+        """A checked store with token ids into the main tables (chained here; an orphan while its parent is unknown)."""
+        if model not in self._models:
+            self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
+            self._models.add(model)
+        with self._lock:
+            if self._compat:
+                return self._store(pod, rank, mid, item.tier, eks, eks, model)
             if parent_engine_key is None:
                 return self._attach(item, None)
             tail = self._tails.get((pod, rank, model))
@@ -391,7 +425,7 @@ class RedisKVBlockIndex(SideTables):
                 # the stream's last stored block: chained here, the parent checked on the server
                 ops = BatchOps()
                 if store_op(self, ops, 0, item, tail):
-                    done, stored = self._send(pod, rank, mid, model, ops)
+                    done, stored, _h, _r = self._send(pod, rank, mid, model, ops)
                     if done:
                         return stored
             parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True, model=model)
@@ -445,7 +479,7 @@ class RedisKVBlockIndex(SideTables):
         i = 0
         with self._lock:
             while i < n:
-                if self._orphans:
+                if self._orphans or self._gwaiting:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
                 mid = self._model_ids.get(model)
                 ops, stop, single = prepare(self, pod, rank, events, i, model, kinds) if mid is not None else (
@@ -453,7 +487,7 @@ class RedisKVBlockIndex(SideTables):
                 )
                 if ops.events:
                     try:
-                        done, _ = self._send(pod, rank, mid, model, ops)  # type: ignore[arg-type]
+                        done, _s, _h, _r = self._send(pod, rank, mid, model, ops)  # type: ignore[arg-type]
                     except IndexUnavailable as exc:
                         r.unavailable, r.left = str(exc), n - i
                         return r
@@ -469,12 +503,15 @@ class RedisKVBlockIndex(SideTables):
                 i = stop
         return r
 
-    def _send(self, pod: str, rank: int, mid: int, model: str | None, ops: BatchOps) -> tuple[int, int]:
-        """Run the ``batch`` script for ``ops``; returns (ops applied, blocks stored), counted here."""
+    def _send(
+        self, pod: str, rank: int, mid: int, model: str | None, ops: BatchOps, *, count_removals: bool = True
+    ) -> tuple[int, int, list[int], list[int]]:
+        """Run the ``batch`` script for ``ops``; returns (ops applied, blocks stored, removal hits, group routes),
+        counted here (the removals only with ``count_removals``)."""
         if ops.tokens and model not in self._models:
             self._safe(lambda: self.client.sadd(self.key_prefix + "seen", mid))
             self._models.add(model)
-        done, stored, evictions, confirmed, unknown, clears, hits = self._run(
+        done, stored, evictions, confirmed, unknown, clears, hits, routes, gevictions, trimmed, hybrid = self._run(
             "batch", pod, rank, mid, self.capacity, self._compat_arg, *ops.args, write=True, model=model
         )
         c = self._c
@@ -483,20 +520,29 @@ class RedisKVBlockIndex(SideTables):
         c["speculative_confirmed"] += confirmed
         c["unknown_offloads"] += unknown
         c["clears"] += clears
-        hit = sum(hits)
-        c["removed_blocks"] += hit
-        c["unknown_removals"] += len(hits) - hit
+        c["group_evictions"] += gevictions
+        c["group_trimmed"] += trimmed
+        c["group_unmapped"] += sum(ops.unmapped[:done])
+        if count_removals:
+            hit = sum(hits)
+            c["removed_blocks"] += hit
+            c["unknown_removals"] += len(hits) - hit
+        if hybrid or ops.clears:
+            self._hybrid = None  # which streams are hybrid: read again
         for k in range(done - 1, -1, -1):
             tail = ops.tails[k]
             if tail is not None:
                 self._tails[(pod, rank, model)] = tail
                 break
-        return int(done), int(stored)
+        return int(done), int(stored), hits, routes
 
     def block_removed(
-        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None,
+        group_idx: int | None = None,
     ) -> int:
         """Apply one BlockRemoved of publisher (pod, rank, model) (as the reference).
+
+        ``group_idx``: the event's KV-cache group; only that group's entries go.
 
         Raises IndexUnavailable when Redis cannot be reached (nothing applied).
         """
@@ -507,6 +553,8 @@ class RedisKVBlockIndex(SideTables):
             mid = self._model_ids.get(model)
             if mid is None:
                 mid = self._mid(model, create=True)
+            if group_idx is not None and keys:
+                return self._remove_group(pod, rank, mid, model, keys, bit, group_idx)  # type: ignore[arg-type]
             hits = (
                 self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True, model=model)
                 if keys else []
@@ -545,6 +593,10 @@ class RedisKVBlockIndex(SideTables):
                 model=None if every or mid_arg == "-" else model,
             ))
             self._drop_orphans_of(pod, dp_rank, model)
+            for s in [s for s in self._gwaiting if s[0] == pod and dp_rank in (None, s[1])]:
+                if every or s[2] == model:
+                    self._c["group_unmapped"] += sum(len(w.eks) for w in self._gwaiting.pop(s))
+            self._hybrid = None
             if n:
                 self._c["clears"] += 1
         return n
@@ -696,8 +748,8 @@ class RedisKVBlockIndex(SideTables):
 
     def stats(self) -> IndexStats:
         """Sizes of the shared index and this process's counters (see :class:`kvindex.contract.IndexStats`)."""
-        res = self._run("stats", write=False) or [0, 0, 0, 0, 0]
-        keys, entries, engine_keys, pods, spec = (int(v) for v in res)
+        res = self._run("stats", write=False) or [0, 0, 0, 0, 0, 0]
+        keys, entries, engine_keys, pods, spec, group_entries = (int(v) for v in res)
         with self._lock:
             return IndexStats(
                 keys=keys,
@@ -706,6 +758,7 @@ class RedisKVBlockIndex(SideTables):
                 pods=pods,
                 orphan_blocks=self._orphan_blocks,
                 speculative=spec,
+                group_entries=group_entries,
                 redis_errors=self.link.error_count,
                 **self._c,
             )

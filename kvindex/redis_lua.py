@@ -19,6 +19,7 @@ gives that model that id.
 
 from __future__ import annotations
 
+from kvindex.redis_lua_groups import GROUP_HELPERS, GROUP_SCRIPTS
 from kvindex.redis_lua_read import READ_SCRIPTS
 
 __all__ = ["SCRIPTS"]
@@ -302,6 +303,14 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   link(pod, rank, mid, ek, rk, compat, old)
 end
 
+local function resolve(pod, rank, mid, ek)
+  local rk = redis.call('HGET', skey(mid, rank, pod), ek)
+  if rk then return rk end
+  local v = redis.call('HGET', ekey(mid), ek)
+  if not v then return nil end
+  return string.sub(v, 1, string.find(v, ':', 1, true) - 1)
+end
+""" + GROUP_HELPERS + r"""
 -- forget what pod holds: rank ('' = every rank), mid ('' = every model, '-' = none);
 -- returns the entries removed (rank entries + held keys + speculative entries when the whole pod goes)
 local function clear_streams(pod, rank, mid, compat)
@@ -328,6 +337,7 @@ local function clear_streams(pod, rank, mid, compat)
       end
     end
   end
+  if mid ~= '-' then n = n + gclear_streams(pod, rank, mid, compat) end
   if rank == '' and mid == '' then
     n = n + redis.call('HLEN', hkey(pod)) + redis.call('ZCARD', xkey(pod))
     redis.call('DEL', hkey(pod), hckey(pod), xkey(pod))
@@ -338,13 +348,6 @@ local function clear_streams(pod, rank, mid, compat)
   return n
 end
 
-local function resolve(pod, rank, mid, ek)
-  local rk = redis.call('HGET', skey(mid, rank, pod), ek)
-  if rk then return rk end
-  local v = redis.call('HGET', ekey(mid), ek)
-  if not v then return nil end
-  return string.sub(v, 1, string.find(v, ':', 1, true) - 1)
-end
 """
 
 # ARGV: P, pod, rank, mid, bit, capacity, compat, then ek1, rk1, ek2, rk2, ...
@@ -386,13 +389,20 @@ return resolve(ARGV[2], ARGV[3], ARGV[4], ARGV[5]) or false
 #   'T', bit, eks                                               a token-less store
 #   'R', bit, eks                                               a removal
 #   'C'                                                         a clear of the stream (rank, mid)
+#   'G', g, spec, full, keep, kind, bit, parent ek, its rk, eks, rks
+#        a store of KV-cache group g (spec 'kind|block size|window', full 0/1); kind 'S' (as 'S'; parent
+#        rk '*': not checked), 'T' (token-less) or 'L' (learn the spec only); in a non-primary group a
+#        parent-nil store keeps its last ``keep`` blocks (-1: all) while the stream's report window is open
+#   'Q', g, bit, eks                                            a removal of group g
 # -> {ops applied (stops before a store whose parent resolves otherwise), stored, evictions, confirmed,
-#     unknown (token-less), clears that removed something, {hit 0/1 per removed ek, in order}}
+#     unknown (token-less), clears that removed something, {hit 0/1 per removed ek, in order},
+#     {1 main tables / 0 a group's table, per 'G' and 'Q' op}, group evictions, trimmed blocks,
+#     streams that became hybrid}
 _BATCH = r"""
 local pod, rank, mid, cap = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local compat = ARGV[6] == '1'
 local done, unknown, clears = 0, 0, 0
-local hits = {}
+local hits, routes = {}, {}
 local i = 7
 while i <= #ARGV do
   local op = ARGV[i]
@@ -423,6 +433,59 @@ while i <= #ARGV do
       if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
     end
     i = i + 3
+  elseif op == 'G' then
+    local g, full, keep, kind = ARGV[i + 1], ARGV[i + 3] == '1', tonumber(ARGV[i + 4]), ARGV[i + 5]
+    local bitv, pek, prk = tonumber(ARGV[i + 6]), ARGV[i + 7], ARGV[i + 8]
+    local main = learn(mid, rank, pod, g, ARGV[i + 2], full)
+    if kind == 'S' and pek ~= '' and prk ~= '*' then
+      local got
+      if main then got = resolve(pod, rank, mid, pek) else got = gresolve(mid, rank, g, pod, pek, compat) end
+      if got ~= prk then break end
+    end
+    local eks, rks = {}, {}
+    for w in string.gmatch(ARGV[i + 9], '%S+') do eks[#eks + 1] = w end
+    if kind == 'S' then
+      for w in string.gmatch(ARGV[i + 10], '%S+') do rks[#rks + 1] = w end
+      if main then
+        for k = 1, #eks do put(pod, rank, mid, eks[k], rks[k], bitv, cap, compat) end
+      else
+        local first = 1
+        if pek == '' and keep >= 0 and #eks > keep and redis.call('EXISTS', gdkey(mid, rank, pod)) == 1 then
+          first = #eks - keep + 1
+          trimmed = trimmed + first - 1
+        end
+        gstore(mid, rank, g, pod, eks, rks, first, bitv, cap, compat)
+      end
+    elseif kind == 'T' then
+      for _, ek in ipairs(eks) do
+        local rk
+        if main then
+          if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
+          if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
+        else
+          rk = glookup(mid, rank, g, pod, ek, compat)
+          if rk then gput(mid, rank, g, pod, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
+        end
+      end
+    end
+    routes[#routes + 1] = main and 1 or 0
+    i = i + 11
+  elseif op == 'Q' then
+    local g, bitv = ARGV[i + 1], tonumber(ARGV[i + 2])
+    local main = gmain(mid, rank, pod, g)
+    local sk = skey(mid, rank, pod)
+    for ek in string.gmatch(ARGV[i + 3], '%S+') do
+      local hit
+      if main then
+        local rk = redis.call('HGET', sk, ek)
+        hit = rk and drop_copy(pod, rank, ek, rk, bitv, compat)
+      else
+        hit = gdrop(mid, rank, g, pod, ek, bitv, compat)
+      end
+      if hit then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
+    end
+    routes[#routes + 1] = main and 1 or 0
+    i = i + 4
   else
     if clear_streams(pod, rank, mid, compat) > 0 then clears = clears + 1 end
     i = i + 1
@@ -430,7 +493,7 @@ while i <= #ARGV do
   done = done + 1
 end
 flush_n()
-return {done, stored, evictions, confirmed, unknown, clears, hits}
+return {done, stored + gstored, evictions, confirmed, unknown, clears, hits, routes, gevictions, trimmed, newhybrid}
 """
 
 # ARGV: P, pod, rank, mid ('' = model unknown here), bit, compat, ek... -> {hit 0/1 per ek}
@@ -555,4 +618,4 @@ SCRIPTS: dict[str, str] = {
         "remove_held": _REMOVE_HELD,
         "model_id": _MODEL_ID,
     }.items()
-} | {name: _COMMON + body for name, body in READ_SCRIPTS.items()}
+} | {name: _COMMON + body for name, body in (READ_SCRIPTS | GROUP_SCRIPTS).items()}

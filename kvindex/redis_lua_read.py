@@ -227,12 +227,13 @@ end
 return {redis.call('HKEYS', PK), held, spec}
 """
 
-# ARGV: P -> {keys, entries, engine_keys, pods, speculative}
+# ARGV: P -> {keys, entries, engine_keys, pods, speculative, non-primary KV-cache group entries}
 _STATS = r"""
 local spec = 0
 for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do spec = spec + redis.call('ZCARD', xkey(p)) end
 return {redis.call('ZCARD', LRU), tonumber(redis.call('HGET', N, 'entries') or '0'),
-        tonumber(redis.call('HGET', N, 'engine_keys') or '0'), redis.call('HLEN', PK), spec}
+        tonumber(redis.call('HGET', N, 'engine_keys') or '0'), redis.call('HLEN', PK), spec,
+        redis.call('ZCARD', P .. 'gl')}
 """
 
 READ_SCRIPTS: dict[str, str] = {

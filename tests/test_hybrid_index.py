@@ -257,11 +257,8 @@ def test_believing_every_reannounced_block_breaks_the_property(monkeypatch: pyte
 
 
 def test_only_the_reference_is_group_aware() -> None:
-    """The compiled and Redis backends merge groups for now: the write path keeps their calls as before."""
-    from kvindex.redis_index import RedisKVBlockIndex
-
+    """The compiled backend merges groups for now: the write path keeps its calls as before."""
     assert isinstance(KVBlockIndex(), GroupAware)
-    assert not hasattr(RedisKVBlockIndex, "group_match")
     native = pytest.importorskip("kvindex.native")
     ix = native.NativeKVBlockIndex(TokenProcessor(BS))
     assert not isinstance(ix, GroupAware)
@@ -352,3 +349,163 @@ def test_group_tables_are_bounded_by_the_capacity() -> None:
     st_ = ix.stats()
     assert (st_.group_entries, st_.group_evictions) == (4, 2)
     assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
+
+
+# -- the Redis backend (kvindex.redis_groups): the same model engine on a real redis-server
+
+class RedisHybridEngines(HybridEngines):
+    """The model engine's state machine on the Redis backend (group state kept in the server)."""
+
+    url = ""  # the session server's, set by the test
+
+    def __init__(self) -> None:
+        import redis
+
+        from kvindex.redis_index import RedisKVBlockIndex
+
+        RuleBasedStateMachine.__init__(self)
+        flush = redis.Redis.from_url(self.url)
+        flush.flushall()
+        flush.close()
+        algo = "vllm_sha256_cbor" if self.compat else "xxh3_chain"
+        self.ix = Indexer(Config.from_dict({
+            "token_processor_config": {"block_size": BS, "algorithm": algo},
+            "kv_block_index_config": {"backend": "redis", "redis_config": {"url": self.url}},
+        }))
+        self.tp = self.ix.token_processor
+        self.index = self.ix.index
+        assert isinstance(self.index, RedisKVBlockIndex) and isinstance(self.index, GroupAware)
+        self.paths = _paths(0)
+        self.held = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
+        # the reference, fed the same batches, clears and report windows: the oracle of every group read
+        self.ref = KVBlockIndex(self.tp)
+        for name in ("clear", "distrust_reports"):
+            setattr(self.index, name, self._both(getattr(self.index, name), getattr(self.ref, name)))
+
+    @staticmethod
+    def _both(redis_call, reference_call):
+        def call(*args, **kw):
+            reference_call(*args, **kw)
+            return redis_call(*args, **kw)
+        return call
+
+    def publish(self, pod: str, events: list) -> None:
+        super().publish(pod, events)
+        r = self.ref.apply_events(pod, 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS)
+        assert not r.errors, r.errors
+
+    def teardown(self) -> None:
+        self.index.client.close()
+
+    @invariant()
+    def reads_as_the_reference(self) -> None:
+        for pod in PODS:
+            assert self.index.group_specs(pod) == self.ref.group_specs(pod)
+            assert self.index.grouped_ranks(pod) == self.ref.grouped_ranks(pod)
+            for path in self.paths:
+                keys = self.tp.request_keys(path)
+                assert self.index.group_match(keys, pod) == self.ref.group_match(keys, pod), (pod, path)
+        a, b = self.index.stats(), self.ref.stats()
+        assert (a.group_entries, a.group_unmapped, a.group_trimmed) == (b.group_entries, b.group_unmapped,
+                                                                         b.group_trimmed)
+
+    @invariant()
+    def counts_its_group_entries(self) -> None:
+        """The shared count of non-primary entries is what the pods' sliding-window and Mamba groups hold."""
+        held = sum(len(claims[g]) for pod in PODS for g, claims in [(g, self.claims(pod)) for g in (0, 2)])
+        assert self.index.stats().group_entries == held
+
+
+class RedisCompatEngines(RedisHybridEngines):
+    compat = True
+
+
+REDIS_SETTINGS = settings(max_examples=25, stateful_step_count=25)
+
+
+@pytest.mark.parametrize("machine", [RedisHybridEngines, RedisCompatEngines], ids=["own_hash", "engine_hash"])
+def test_redis_backend(redis_url: str, machine: type[RedisHybridEngines]) -> None:
+    machine.url = redis_url
+    run_state_machine_as_test(machine, settings=REDIS_SETTINGS)
+
+
+def test_redis_ignoring_group_idx_on_removal_breaks_the_property(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mutation check on the Redis backend: a removal sent without its group (the main tables') is caught."""
+    from kvindex import redis_batch
+
+    original = redis_batch.removal_args
+    monkeypatch.setattr(redis_batch, "removal_args", lambda group_idx, bit, eks: original(None, bit, eks))
+    RedisCompatEngines.url = redis_url
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            RedisCompatEngines,
+            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate],
+                              derandomize=True),
+        )
+
+
+def test_two_redis_indexes_agree_on_a_hybrid_stream(redis_url: str) -> None:
+    """One index ingests a hybrid engine's events; another on the same server sees the same groups, specs and
+    score, which are the reference backend's."""
+    from kvindex.redis_index import RedisKVBlockIndex
+
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    writer, reader = (RedisKVBlockIndex(tp, url=redis_url) for _ in range(2))
+    reference = KVBlockIndex(tp)
+    path = tuple(range(1, 17))
+    eks = [int(k) for k in tp.request_keys(path)]
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    events = [stored_event(eks[1:3], None, path, BS, **swa),  # sparse: the window before the last block
+              stored_event(eks, None, path, BS, group_idx=1, kv_cache_spec_kind="full_attention"),
+              stored_event([eks[2]], None, path, BS, group_idx=2, kv_cache_spec_kind="mamba"),
+              removed_event([eks[3]]) | {"group_idx": 1}]
+    for ix in (writer, reference):
+        r = ix.apply_events("a", 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS)
+        assert not r.errors and r.unavailable is None
+    cfg = {"token_processor_config": {"block_size": BS, "algorithm": "vllm_sha256_cbor"}}
+    scorers = [Indexer(Config.from_dict(cfg), index=ix) for ix in (writer, reader, reference)]
+
+    def agree(masks: dict[int, list[int]], tokens: int, limited_by: int | None) -> None:
+        for ix, scorer in zip((writer, reader, reference), scorers):
+            assert ix.group_match(eks, "a") == masks
+            assert ix.group_specs("a") == {g.group_idx: g for g in GROUPS}
+            assert ix.grouped_ranks("a") == [0]
+            assert ix.stats().group_entries == sum(sum(1 for m in masks[g] if m) for g in (0, 2))
+            score = scorer.score(list(path), ["a"])
+            assert score.predicted_cached_tokens("a") == tokens
+            assert score.prefix["a"].hybrid and score.prefix["a"].limited_by_group == limited_by
+
+    g = GPU_BIT
+    agree({0: [0, g, g, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 3 * BS, None)
+    # the other replica ingests the same events too (both subscribe): nothing changes
+    assert not reader.apply_events("a", 0, decode_vllm_batch(batch_payload(events)).events, kinds=KINDS).errors
+    agree({0: [0, g, g, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 3 * BS, None)
+    # a removal of one group, ingested by the other replica, never crosses into another group
+    removal = decode_vllm_batch(batch_payload([removed_event([eks[2]]) | {"group_idx": 0}])).events
+    for ix in (reader, reference):
+        assert not ix.apply_events("a", 0, removal, kinds=KINDS).errors
+    agree({0: [0, g, 0, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 0, 0)
+    for ix in (writer, reader):
+        ix.client.close()
+
+
+def test_redis_group_tables_are_bounded_by_the_capacity(redis_url: str) -> None:
+    """As the reference: beyond the capacity the oldest non-primary entries go (shared count, this process's
+    evictions)."""
+    from kvindex.redis_index import RedisKVBlockIndex
+
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    ix = RedisKVBlockIndex(tp, url=redis_url, capacity=4)
+    path = tuple(range(1, 25))
+    eks = [int(k) for k in tp.request_keys(path)]
+    ev = stored_event(eks, None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
+                      kv_cache_spec_sliding_window=8)
+    assert not ix.apply_events("a", 0, decode_vllm_batch(batch_payload([ev])).events, kinds=KINDS).errors
+    st_ = ix.stats()
+    assert (st_.group_entries, st_.group_evictions) == (4, 2)
+    assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
+    ix.clear("a")
+    assert ix.stats().group_entries == 0 and ix.group_specs("a") == {} and ix.grouped_ranks("a") == []
+    ix.client.close()

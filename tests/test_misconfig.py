@@ -256,14 +256,15 @@ def test_a_hybrid_engine_on_a_backend_without_groups_shows(keeps_groups: bool) -
     reasons = [p.reason for p in chk.problems]
     assert reasons == ([] if keeps_groups else ["kv_cache_groups"])
     if not keeps_groups:
-        assert "backend: python" in chk.problems[0].message
+        assert "backend: python or redis" in chk.problems[0].message
 
 
-def test_the_facade_knows_which_backends_keep_groups() -> None:
+def test_the_facade_knows_which_backends_keep_groups(redis_url: str) -> None:
     from kvindex import Config, Indexer
 
-    for backend, keeps in (("python", True), ("native", False)):
-        ix = Indexer(Config.from_dict({"kv_block_index_config": {"backend": backend}}))
+    for backend, keeps in (("python", True), ("native", False), ("redis", True)):
+        ix = Indexer(Config.from_dict({"kv_block_index_config": {"backend": backend,
+                                                                  "redis_config": {"url": redis_url}}}))
         assert ix.pool.config_check.keeps_groups is keeps
 
 
