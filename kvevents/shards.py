@@ -58,7 +58,7 @@ class _Shard(_Recovery):
         self.thread: threading.Thread | None = None
         self.batch_apply = isinstance(pool.index, BatchApply)  # checked once: _apply runs per message
         # vLLM payloads decoded without Python objects per token, for a backend that applies them so
-        self.fast = getattr(pool, "fast_path", True) and isinstance(pool.index, RawApply)
+        self.fast = pool.fast_path and isinstance(pool.index, RawApply)
         self.grouped = isinstance(pool.index, GroupAware)
 
     def start(self) -> None:
@@ -318,7 +318,7 @@ class _Shard(_Recovery):
         (no store observer, no configuration check watching) and no KV-cache group but a
         full-attention one is known for the stream (checked once per stream, again after a clear
         or a batch applied the reference way)."""
-        if st.check.watching or self.pool.observers_of(st.pod, st.rank, st.model):
+        if st.check.watching or (self.pool.store_observers and self.pool.observers_of(st.pod, st.rank, st.model)):
             return False
         if self.grouped:
             if fb.raw.grouped:

@@ -117,9 +117,11 @@ class NativeKVBlockIndex(SideTables):
         self._wgen = 0  # odd while a writer applies one event in several core calls (see Locking)
         # compat mode chains nothing: the core takes the block size from a K of that length
         self._ones_k = np.ones(self.block_size, dtype=np.uint64)
+        self._k_bytes = self._ones_k.tobytes()  # apply_raw's K (replaced below in xxh3_chain mode)
         if not self._compat:
             tp = self.token_processor
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
+            self._k_bytes = self._K.tobytes()
             self._A = tp._A
         self._models: set[str | None] = set()
         # model name -> the core's 16-bit model id (0 = None); never reused
@@ -236,8 +238,9 @@ class NativeKVBlockIndex(SideTables):
         n = len(raw)
         i = 0
         with self._lock:
-            mid, root = self._write_scope(model)
-            K = self._ones_k if self._compat else self._K
+            w = self._wscope.get(model)
+            mid, root = w if w is not None else self._write_scope(model)
+            K = self._k_bytes
             A = 0 if self._compat else self._A
             core = self._core
             while i < n:

@@ -47,9 +47,13 @@ IndexCore::ApplyOut IndexCore::apply_events(
 }
 
 IndexCore::ApplyOut IndexCore::apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb,
-                                         size_t start, u64 root, nb::handle K_o, u64 A) {
-    U64View K;
-    to_u64(K_o, K, "K");
+                                         size_t start, u64 root, nb::bytes K_b, u64 A) {
+    U64View K;  // the chain's K as native-endian uint64 bytes (read in place: no array conversion)
+    if (K_b.size() % sizeof(u64)) throw nb::value_error("K: a whole number of uint64 expected");
+    K.owned.resize(K_b.size() / sizeof(u64));
+    std::memcpy(K.owned.data(), K_b.c_str(), K_b.size());
+    K.data = K.owned.data();
+    K.n = K.owned.size();
     size_t bs = K.n;
     if (bs == 0) throw nb::value_error("empty K");
     BatchCounts c;

@@ -86,7 +86,7 @@ class IndexCore {
     // Python objects), from event `start`: the same checks, order, stops and answer; the GIL is
     // released for the whole apply.
     ApplyOut apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb, size_t start,
-                       u64 root, nb::handle K_o, u64 A);
+                       u64 root, nb::bytes K_b, u64 A);
 
     // Before an event's puts: start loading what they will read first, the home slots of its
     // request keys (level 1) and engine keys (level 2), then the records those slots point to,

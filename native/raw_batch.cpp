@@ -83,12 +83,34 @@ bool read_msgpack_u64s(const uint8_t* p, const uint8_t* end, bool hashes, std::v
     size_t base = out.size();
     out.resize(base + n);
     u64* dst = out.data() + base;
-    for (size_t i = 0; i < n; ++i)
-        if (!read_one(p, end, hashes, dst[i])) return false;
+    for (size_t i = 0; i < n; ++i) {
+        // the forms engines write most (fixint, uint16, uint32, uint64) inline; the rest in read_one
+        size_t left = (size_t)(end - p);
+        if (left >= 1 && *p <= 0x7f) {
+            dst[i] = *p++;
+        } else if (left >= 3 && *p == 0xcd) {
+            dst[i] = ((u64)p[1] << 8) | p[2];
+            p += 3;
+        } else if (left >= 5 && *p == 0xce) {
+            uint32_t v;
+            std::memcpy(&v, p + 1, 4);
+            dst[i] = __builtin_bswap32(v);
+            p += 5;
+        } else if (left >= 9 && *p == 0xcf) {
+            u64 v;
+            std::memcpy(&v, p + 1, 8);
+            dst[i] = __builtin_bswap64(v);
+            p += 9;
+        } else if (!read_one(p, end, hashes, dst[i])) {
+            return false;
+        }
+    }
     return p == end;
 }
 
 namespace {
+
+constexpr size_t NOGIL_MIN_BYTES = 16384;
 
 // A Raw field's bytes, held until the batch is read.
 struct Span {
@@ -211,6 +233,7 @@ nb::object read_raw_batch(nb::handle events, nb::handle stored_t, nb::handle rem
     auto rb = std::make_unique<RawBatch>();
     rb->evs.resize(n);
     std::vector<Span> hs(n), ts(n);
+    size_t bytes = 0;
     for (size_t i = 0; i < n; ++i) {
         PyObject* ev = PyList_GET_ITEM(events.ptr(), (Py_ssize_t)i);
         PyObject* tp = (PyObject*)Py_TYPE(ev);
@@ -222,18 +245,24 @@ nb::object read_raw_batch(nb::handle events, nb::handle stored_t, nb::handle rem
         }
         if (tp == stored_t.ptr()) {
             if (!read_stored(ev, nm, medium_bits.ptr(), x, hs[i], ts[i])) return nb::none();
+            if (is_set(ev, nm.group) || is_set(ev, nm.kind)) rb->grouped = true;
+            bytes += (size_t)ts[i].view.len;
         } else if (tp == removed_t.ptr()) {
             x.kind = 1;
             if (!medium_bit(ev, nm.medium, medium_bits.ptr(), x.bit) || !raw_attr(ev, nm.hashes, hs[i]))
                 return nb::none();
+            if (is_set(ev, nm.group)) rb->grouped = true;
         } else {
             return nb::none();
         }
-        if (is_set(ev, nm.group) || is_set(ev, nm.kind)) rb->grouped = true;
+        bytes += (size_t)hs[i].view.len;
     }
     bool ok = true;
     {
-        nb::gil_scoped_release nogil;
+        // a large batch is read without the GIL (another shard runs meanwhile); a small one takes
+        // less time than giving the GIL up and taking it back
+        std::optional<nb::gil_scoped_release> nogil;
+        if (bytes >= NOGIL_MIN_BYTES) nogil.emplace();
         std::vector<u64>& d = rb->data;
         for (size_t i = 0; i < n && ok; ++i) {
             RawEvent& x = rb->evs[i];
