@@ -288,7 +288,8 @@ class _Shard(_Recovery):
                 self._apply_fast(st, batch)
                 return
             batch = batch.slow()
-        st.flat = None  # the reference path may teach a GroupAware index groups
+        if st.flat:
+            st.flat = None  # the reference path may teach a GroupAware index groups: ask again
         c = self.c
         index = self.pool.index
         pod, rank, model = st.pod, st.rank, st.model
