@@ -27,7 +27,7 @@ from kvevents.messages import (
 )
 from kvevents.recovery import ShardHost, _Recovery
 from kvevents.stats import StreamKey, _Counters, _Stream
-from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq
+from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch
 from kvindex.contract import ApplyResult, BatchApply, GroupAware, IndexUnavailable, RawApply
 from kvindex.side_tables import apply_each
 
@@ -236,7 +236,7 @@ class _Shard(_Recovery):
             return None
         try:
             seq = decode_seq(seq_frame)
-            if self.fast and engine == "vllm":
+            if self.fast and decoder is decode_vllm_batch:  # (SGLang's and a replaced decoder: theirs)
                 fb = decode_fast(payload)
                 if fb is not None:
                     return seq, fb
