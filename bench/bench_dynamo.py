@@ -51,6 +51,11 @@ from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa:
 from kvevents.pool import EventPool, RawMessage, Source  # noqa: E402
 from kvevents.wire import decode_vllm_batch  # noqa: E402
 
+try:  # the fast decoding (absent from older trees: the bench then measures the reference path only)
+    from kvevents.fastwire import decode_fast  # noqa: E402
+except ImportError:  # pragma: no cover
+    decode_fast = None
+
 BS = 16
 EVENT_KINDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 OUT = ROOT / "bench" / "out"
@@ -217,6 +222,170 @@ def bench_ingest(n_events: int, blocks: int, pods: int, runs: int) -> dict[str, 
             "ours_pool_blocks_per_cpu_s": max(res["pool"]),
             "ours_median": statistics.median(res["ours"]), "dynamo_median": statistics.median(res["dynamo"]),
             "ours_pool_median": statistics.median(res["pool"])}
+
+
+# The two event shapes of issue 22: a prefill step's store (8 blocks in one event, one event per
+# batch) and decode steps (batches of 16 one-block events, each extending its own request).
+SHAPES = {"prefill": (1, 8), "decode": (16, 1)}
+
+
+def shape_payloads(shape: str, n_blocks: int, pods: list[str]) -> tuple[list[tuple[str, bytes]], list[tuple[int, bytes]]]:
+    """``n_blocks`` blocks as vLLM msgpack batches of ``shape`` (ours, round robin over pods) and the
+    same stores as Dynamo JSON events (theirs, one per BlockStored)."""
+    per_batch, blocks = SHAPES[shape]
+    rng = random.Random(3)
+    nrng = np.random.default_rng(3)
+    ours, theirs = [], []
+    chains: dict[tuple[int, int], int | None] = {}  # (pod, request) -> the request's last block hash
+    eid = 0
+    for b in range(n_blocks // (per_batch * blocks)):
+        p = b % len(pods)
+        evs = []
+        for r in range(per_batch):
+            toks = nrng.integers(1, 50_000, size=blocks * BS).tolist()
+            eks = [rng.getrandbits(64) for _ in range(blocks)]
+            parent = chains.get((p, r))
+            evs.append({"type": "BlockStored", "block_hashes": eks, "parent_block_hash": parent, "token_ids": toks,
+                        "block_size": BS, "medium": "GPU"})
+            local = compute_block_hash_for_seq(toks, BS)
+            eid += 1
+            theirs.append((p, json.dumps({"event_id": eid, "data": {"stored": {"parent_hash": parent, "blocks": [
+                {"block_hash": eks[k], "tokens_hash": local[k]} for k in range(blocks)]}}, "dp_rank": 0}).encode()))
+            chains[(p, r)] = eks[-1] if rng.random() < 0.9 else None
+        ours.append((pods[p], msgspec.msgpack.encode([time.time(), evs, 0])))
+    return ours, theirs
+
+
+def _pool(ix, concurrency: int, fast: bool, queue_size: int) -> EventPool:
+    try:
+        return EventPool(ix, concurrency=concurrency, queue_size=queue_size, fast_path=fast)
+    except TypeError:  # a tree without the fast path
+        return EventPool(ix, concurrency=concurrency, queue_size=queue_size)
+
+
+def _messages(ours: list[tuple[str, bytes]]) -> list[RawMessage]:
+    seqs: dict[str, int] = {}
+    msgs = []
+    for pod, payload in ours:
+        s = seqs.get(pod, 0)
+        seqs[pod] = s + 1
+        msgs.append(RawMessage(Source(), f"kv@{pod}@m".encode(), s.to_bytes(8, "big"), payload))
+    return msgs
+
+
+def _pool_rate(ours: list[tuple[str, bytes]], n_blocks: int, fast: bool, concurrency: int = 1,
+               clock=time.process_time) -> float:
+    """Blocks per second (``clock``) through an EventPool: every message queued first, then the
+    shards started and timed until the last block is applied."""
+    ix = make_indexer().index
+    pool = _pool(ix, concurrency, fast, len(ours) + 10)
+    for m in _messages(ours):
+        pool.submit(m)
+    t0 = clock()
+    pool.start()
+    assert pool.flush(timeout=600)  # waits without polling: the shards run alone
+    rate = n_blocks / (clock() - t0)
+    assert pool.stats().blocks_stored == n_blocks
+    pool.stop()
+    return rate
+
+
+def _direct_rate(ours: list[tuple[str, bytes]], n_blocks: int, fast: bool) -> float:
+    """Blocks per CPU second of decode + apply per batch, no pool (fast: decode_fast + apply_raw)."""
+    ix = make_indexer().index
+    t0 = time.process_time()
+    if fast:
+        for pod, payload in ours:
+            fb = decode_fast(payload)
+            if fb is None:
+                ix.apply_events(pod, 0, decode_vllm_batch(payload).events, model="m", kinds=EVENT_KINDS)
+            else:
+                ix.apply_raw(pod, 0, fb.raw, fb.slow_events, model="m", kinds=EVENT_KINDS)
+    else:
+        for pod, payload in ours:
+            ix.apply_events(pod, 0, decode_vllm_batch(payload).events, model="m", kinds=EVENT_KINDS)
+    rate = n_blocks / (time.process_time() - t0)
+    assert ix.stats().stored_blocks == n_blocks
+    return rate
+
+
+def bench_shapes(n_blocks: int, runs: int) -> dict[str, dict[str, float]]:
+    """Per shape, blocks per CPU second (best of ``runs``, interleaved): ours decode + apply (reference
+    decoder, fast decoder), through one EventPool shard (each way), Dynamo apply_event from JSON."""
+    out: dict[str, dict[str, float]] = {}
+    pods = [f"pod-{p}" for p in range(8)]
+    for shape in SHAPES:
+        ours, theirs = shape_payloads(shape, n_blocks, pods)
+        res: dict[str, list[float]] = {}
+        for _ in range(runs):
+            res.setdefault("direct_ref", []).append(_direct_rate(ours, n_blocks, False))
+            if decode_fast is not None:
+                res.setdefault("direct_fast", []).append(_direct_rate(ours, n_blocks, True))
+            res.setdefault("pool_ref", []).append(_pool_rate(ours, n_blocks, False))
+            if decode_fast is not None:
+                res.setdefault("pool_fast", []).append(_pool_rate(ours, n_blocks, True))
+            tree = RadixTree()
+            t0 = time.process_time()
+            for w, data in theirs:
+                tree.apply_event(w, data)
+            tree.find_matches([1])  # waits for the events to be applied
+            res.setdefault("dynamo", []).append(n_blocks / (time.process_time() - t0))
+        out[shape] = {k: max(v) for k, v in res.items()} | {f"{k}_median": statistics.median(v) for k, v in res.items()}
+    return out
+
+
+def balanced_pods(n: int, shards: int = 2) -> list[str]:
+    """``n`` pod names spread evenly over ``shards`` EventPool shards."""
+    probe = EventPool(make_indexer().index, concurrency=shards)
+    by: dict[int, list[str]] = {s: [] for s in range(shards)}
+    i = 0
+    while min(len(v) for v in by.values()) < n // shards:
+        name = f"pod-{i}"
+        i += 1
+        if len(by[probe.shard_of(name)]) < n // shards:
+            by[probe.shard_of(name)].append(name)
+    return [p for v in zip(*by.values()) for p in v]
+
+
+def bench_scaling(n_blocks: int, runs: int) -> dict[str, dict[str, float]]:
+    """Blocks per wall second through an EventPool of one shard and of two, 16 pods' streams (unpinned)."""
+    out: dict[str, dict[str, float]] = {}
+    pods = balanced_pods(16)
+    for shape in SHAPES:
+        ours, _ = shape_payloads(shape, n_blocks, pods)
+        res: dict[str, list[float]] = {}
+        for _ in range(runs):
+            for fast in ((False, True) if decode_fast is not None else (False,)):
+                name = "fast" if fast else "ref"
+                for k in (1, 2):
+                    res.setdefault(f"{name}_{k}", []).append(
+                        _pool_rate(ours, n_blocks, fast, k, clock=time.perf_counter))
+        out[shape] = {k: max(v) for k, v in res.items()}
+    return out
+
+
+def print_shapes(r: dict[str, dict[str, float]], n_blocks: int) -> None:
+    print(f"ingest, {n_blocks:,} blocks per shape, blocks per CPU second (best of runs); x = / Dynamo")
+    print(f"  {'shape':<34} {'Dynamo':>10} {'direct ref':>11} {'x':>6} {'direct fast':>12} {'x':>6} "
+          f"{'pool ref':>10} {'x':>6} {'pool fast':>10} {'x':>6}")
+    for shape, v in r.items():
+        per_batch, blocks = SHAPES[shape]
+        d = v["dynamo"]
+        cells = []
+        for k in ("direct_ref", "direct_fast", "pool_ref", "pool_fast"):
+            cells += [f"{v[k]:,.0f}", f"{v[k] / d:.2f}"] if k in v else ["n/a", ""]
+        label = f"{shape} ({per_batch} ev/batch x {blocks} blk)"
+        print(f"  {label:<34} {d:>10,.0f} {cells[0]:>11} {cells[1]:>6} {cells[2]:>12} {cells[3]:>6} "
+              f"{cells[4]:>10} {cells[5]:>6} {cells[6]:>10} {cells[7]:>6}")
+
+
+def print_scaling(r: dict[str, dict[str, float]], n_blocks: int) -> None:
+    print(f"ingest through an EventPool, 16 pods, {n_blocks:,} blocks, blocks per wall second (best of runs)")
+    for shape, v in r.items():
+        for name in ("ref", "fast"):
+            if f"{name}_1" in v:
+                print(f"  {shape:<8} {name:<5} 1 shard {v[f'{name}_1']:>12,.0f}   2 shards {v[f'{name}_2']:>12,.0f}"
+                      f"   ratio {v[f'{name}_2'] / v[f'{name}_1']:.2f}x")
 
 
 def bench_under_ingest(reps: int, pods: int = 8) -> dict[str, float]:
@@ -389,7 +558,11 @@ def run_section(args: argparse.Namespace) -> int:
     """One section alone (``--only``): its result line, no JSON file, no plots."""
     if args.only == "score":
         return score_section(args)
-    if args.only == "memory":
+    if args.only == "shapes":
+        print_shapes(bench_shapes(args.blocks, args.runs), args.blocks)
+    elif args.only == "scaling":
+        print_scaling(bench_scaling(args.blocks, args.runs), args.blocks)
+    elif args.only == "memory":
         kinds = [k for k in args.memory_kinds.split(",") if k]
         print_memory(bench_memory(args.memory_entries, 8, kinds), args.memory_entries)
     else:
@@ -403,7 +576,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--entries", type=int, default=1_000_000, help="index size for the read path")
     ap.add_argument("--memory-entries", type=int, default=2_000_000)
-    ap.add_argument("--only", choices=["memory", "ingest", "score"], help="run one section and print its line")
+    ap.add_argument("--only", choices=["memory", "ingest", "shapes", "scaling", "score"],
+                    help="run one section and print its line (shapes: both event shapes, pin it with taskset; "
+                         "scaling: one shard vs two, unpinned)")
+    ap.add_argument("--blocks", type=int, default=160_000, help="blocks per shape (shapes, scaling)")
+    ap.add_argument("--runs", type=int, default=3, help="runs per measure (shapes, scaling)")
     ap.add_argument("--memory-kinds", default="native,dynamo,python",
                     help="comma-separated backends of the memory section (native, dynamo, python)")
     args = ap.parse_args(argv)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from kvevents.actions import Batch
 from kvevents.events import AllBlocksCleared, BlockStored, EventBatch
+from kvevents.fastwire import FastBatch
 from kvevents.sglang import decode_sglang_batch
 from kvevents.wire import decode_vllm_batch
 
@@ -97,7 +98,9 @@ class _Reconnected(NamedTuple):
 _STOP = object()
 
 
-def _as_batch(seq: int, batch: EventBatch) -> Batch:
+def _as_batch(seq: int, batch: EventBatch | FastBatch) -> Batch:
     """The sequencer's view of a decoded batch."""
+    if type(batch) is FastBatch:  # decoded whole (nothing left out): lossy never
+        return Batch(seq, batch.ts, batch.raw.resets, False, batch)
     return Batch(seq, batch.ts, AllBlocksCleared in map(type, batch.events), bool(batch.bad_events), batch)
 

@@ -114,6 +114,10 @@ class EventPool:
         config_check: what each stream's engine is checked against (block
             size, engine-hash algorithm, model; see :mod:`kvevents.misconfig`);
             default: the index's token processor, no expected model.
+        fast_path: decode vLLM payloads of the plain shape without Python
+            objects per token and apply them in one compiled call
+            (:mod:`kvevents.fastwire`; only with the compiled index, same
+            results as without); False: always the reference decoder.
 
     Use: ``start()``, then ``submit()`` from the subscriber, ``flush()`` to
     wait until everything queued so far is applied, ``stop()``.
@@ -134,6 +138,7 @@ class EventPool:
         rejoin_check_delay: float = 0.2,
         zmq_context: zmq.Context | None = None,
         config_check: ConfigCheck | None = None,
+        fast_path: bool = True,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -171,6 +176,7 @@ class EventPool:
         self._extra_errors: dict[str, int] = {}  # counted outside the shards (frames, topics)
         self._topics: dict[bytes, tuple[str | None, str | None]] = {}  # topic -> parse_topic(topic)
         self._lock = threading.Lock()
+        self.fast_path = fast_path
         self._shards = [_Shard(self, i) for i in range(concurrency)]
         self._started = False
         #: callables ``fn(pod, dp_rank, model, event)`` shown every BlockStored just before it is

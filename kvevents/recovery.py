@@ -46,6 +46,8 @@ class ShardHost(Protocol):
     rejoin_check_delay: float
     rlog: RateLimitedLog
     config_check: ConfigCheck
+    fast_path: bool
+    store_observers: tuple[StoreObserver, ...]
 
     def route(self, source: Source, topic: bytes) -> tuple[str | None, str | None]: ...
 

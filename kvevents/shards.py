@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 from kvevents.actions import Action, Apply, Clear, Complete, Confirm, Count, Replay
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvevents.fastwire import FastBatch, decode_fast
+from kvindex.hybrid import FULL_KINDS
 from kvevents.misconfig import MODEL_NAME
 from kvevents.messages import (
     _STOP, DECODERS, RawMessage, Source, StoreObserver, _as_batch, _Bootstrap, _Disconnected, _Dropped,
@@ -25,8 +27,8 @@ from kvevents.messages import (
 )
 from kvevents.recovery import ShardHost, _Recovery
 from kvevents.stats import StreamKey, _Counters, _Stream
-from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq
-from kvindex.contract import ApplyResult, BatchApply, IndexUnavailable
+from kvevents.wire import REPLAY_END_SEQ, PayloadError, decode_seq, decode_vllm_batch
+from kvindex.contract import ApplyResult, BatchApply, GroupAware, IndexUnavailable, RawApply
 from kvindex.side_tables import apply_each
 
 log = logging.getLogger("kvevents.pool")  # the pool's logger (one name for the write path's records)
@@ -55,6 +57,9 @@ class _Shard(_Recovery):
         self.c = _Counters()
         self.thread: threading.Thread | None = None
         self.batch_apply = isinstance(pool.index, BatchApply)  # checked once: _apply runs per message
+        # vLLM payloads decoded without Python objects per token, for a backend that applies them so
+        self.fast = pool.fast_path and isinstance(pool.index, RawApply)
+        self.grouped = isinstance(pool.index, GroupAware)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name=f"kvevents-shard-{self.n}", daemon=True)
@@ -224,13 +229,18 @@ class _Shard(_Recovery):
         st.messages += 1
         self._run(st, st.seq.live(_as_batch(seq, batch)))
 
-    def _decode(self, engine: str, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch] | None:
+    def _decode(self, engine: str, seq_frame: bytes, payload: bytes) -> tuple[int, EventBatch | FastBatch] | None:
         decoder = DECODERS.get(engine)
         if decoder is None:
             self._error("engine", f"unknown engine format {engine!r}")
             return None
         try:
-            return decode_seq(seq_frame), decoder(payload)
+            seq = decode_seq(seq_frame)
+            if self.fast and decoder is decode_vllm_batch:  # (SGLang's and a replaced decoder: theirs)
+                fb = decode_fast(payload)
+                if fb is not None:
+                    return seq, fb
+            return seq, decoder(payload)
         except PayloadError as exc:
             self._error(exc.kind, f"bad payload ({exc.kind}): {exc}")
             return None
@@ -254,6 +264,7 @@ class _Shard(_Recovery):
                 )
                 st.losses += 1
                 st.check.rearm()
+                st.flat = None
                 try:
                     self.pool.index.clear(st.pod, st.rank, model=st.model)
                 except IndexUnavailable as exc:
@@ -271,7 +282,14 @@ class _Shard(_Recovery):
         if st.seq.retry_pending:
             self._schedule_retry(st)
 
-    def _apply(self, st: _Stream, batch: EventBatch) -> None:
+    def _apply(self, st: _Stream, batch: EventBatch | FastBatch) -> None:
+        if type(batch) is FastBatch:
+            if self._fast_ready(st, batch):
+                self._apply_fast(st, batch)
+                return
+            batch = batch.slow()
+        if st.flat:
+            st.flat = None  # the reference path may teach a GroupAware index groups: ask again
         c = self.c
         index = self.pool.index
         pod, rank, model = st.pod, st.rank, st.model
@@ -294,11 +312,44 @@ class _Shard(_Recovery):
             r = index.apply_events(pod, rank, batch.events, model=model, kinds=_EVENT_KINDS)  # type: ignore[union-attr]
         else:
             r = apply_each(index, pod, rank, batch.events, model, _EVENT_KINDS)
+        self._tally(st, batch, r, len(batch.events))
+
+    def _fast_ready(self, st: _Stream, fb: FastBatch) -> bool:
+        """Whether a fast-decoded batch may be applied as such: nothing looks at its events
+        (no store observer, no configuration check watching) and no KV-cache group but a
+        full-attention one is known for the stream (checked once per stream, again after a clear
+        or a batch applied the reference way)."""
+        if st.check.watching or (self.pool.store_observers and self.pool.observers_of(st.pod, st.rank, st.model)):
+            return False
+        if self.grouped:
+            if fb.raw.grouped:
+                return False
+            flat = st.flat
+            if flat is None:
+                specs = self.pool.index.group_specs(st.pod, st.rank, model=st.model)  # type: ignore[attr-defined]
+                flat = st.flat = len(specs) <= 1 and all(g.kind in FULL_KINDS for g in specs.values())
+            return flat
+        return True
+
+    def _apply_fast(self, st: _Stream, fb: FastBatch) -> None:
+        c = self.c
+        n = len(fb.raw)
+        c.batches += 1
+        c.events += n
+        st.batches += 1
+        r = self.pool.index.apply_raw(  # type: ignore[attr-defined]
+            st.pod, st.rank, fb.raw, fb.slow_events, model=st.model, kinds=_EVENT_KINDS)
+        self._tally(st, fb, r, n)
+
+    def _tally(self, st: _Stream, batch: EventBatch | FastBatch, r: ApplyResult, n: int) -> None:
+        """Count an applied batch's result; report its errors, losses and left-out events."""
+        c = self.c
+        pod = st.pod
         c.blocks_stored += r.stored_blocks
         c.blocks_removed += r.removed_blocks
         c.clears += r.clears
         # per stream, by tier: the blocks the processed events carried (one step per event, not per block)
-        done = len(batch.events) - r.left
+        done = n - r.left
         st.events += done
         st.clears += r.clears
         # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)

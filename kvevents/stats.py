@@ -115,7 +115,7 @@ class _Stream:
 
     __slots__ = (
         "pod", "model", "rank", "seq", "replay_endpoint", "engine", "complete_since", "why", "losses",
-        "messages", "batches", "events", "clears", "stored", "removed", "check",
+        "messages", "batches", "events", "clears", "stored", "removed", "check", "flat",
     )
 
     def __init__(
@@ -139,6 +139,7 @@ class _Stream:
         self.removed: dict[str, int] = {}  # tier -> blocks removed
         self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
         self.check = check if check is not None else ConfigCheck(None).stream(pod, model, rank)
+        self.flat: bool | None = None  # no KV-cache group but a full-attention one known (None: ask the index)
 
 
 class StreamCounters(NamedTuple):

@@ -12,7 +12,7 @@ Redis) import only this module and :mod:`kvindex.side_tables`.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import msgspec
@@ -32,6 +32,7 @@ __all__ = [
     "SharedStore",
     "ApplyResult",
     "BatchApply",
+    "RawApply",
     "GroupAware",
     "IndexStats",
     "IndexUnavailable",
@@ -232,6 +233,22 @@ class BatchApply(Protocol):
 
     def apply_events(
         self, pod: str, dp_rank: int, events: Sequence[Any], *, model: str | None = None,
+        kinds: tuple[type, type, type],
+    ) -> ApplyResult: ...
+
+
+@runtime_checkable
+class RawApply(Protocol):
+    """A backend that applies a batch read without Python objects per token (the compiled index).
+
+    ``raw`` is a ``kvindex._native.RawBatch`` (see :mod:`kvevents.fastwire`);
+    ``events()`` returns the same batch decoded the reference way, asked only
+    for the events the backend does not take natively.  Same result, state
+    and counters as :meth:`BatchApply.apply_events` of those events.
+    """
+
+    def apply_raw(
+        self, pod: str, dp_rank: int, raw: Any, events: Callable[[], Sequence[Any]], *, model: str | None = None,
         kinds: tuple[type, type, type],
     ) -> ApplyResult: ...
 

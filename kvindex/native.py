@@ -117,9 +117,11 @@ class NativeKVBlockIndex(SideTables):
         self._wgen = 0  # odd while a writer applies one event in several core calls (see Locking)
         # compat mode chains nothing: the core takes the block size from a K of that length
         self._ones_k = np.ones(self.block_size, dtype=np.uint64)
+        self._k_bytes = self._ones_k.tobytes()  # apply_raw's K (replaced below in xxh3_chain mode)
         if not self._compat:
             tp = self.token_processor
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
+            self._k_bytes = self._K.tobytes()
             self._A = tp._A
         self._models: set[str | None] = set()
         # model name -> the core's 16-bit model id (0 = None); never reused
@@ -204,11 +206,7 @@ class NativeKVBlockIndex(SideTables):
         n = len(events)
         i = 0
         with self._lock:
-            # (model id, scope root) per model: both fixed once assigned
-            w = self._wscope.get(model)
-            if w is None:
-                w = self._wscope[model] = (self._mid(model), 0 if self._compat else self.token_processor._root(model, None))
-            mid, root = w
+            mid, root = self._write_scope(model)
             K = self._ones_k if self._compat else self._K
             A = 0 if self._compat else self._A
             stored_t, removed_t, cleared_t = kinds
@@ -216,34 +214,76 @@ class NativeKVBlockIndex(SideTables):
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
-                (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = (
-                    core.apply_events(pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A)
-                )
-                if st_bits:
-                    if len(st_bits) == 1:  # GPU only (bit 0), the usual case
-                        by = r.stored_by_tier
-                        by[GPU] = by.get(GPU, 0) + st_bits[0]
-                    else:
-                        _add_by_bit(r.stored_by_tier, st_bits)
-                if st_ev:
-                    r.stored_blocks += st_blocks
-                    if model not in self._models:
-                        self._models.add(model)
-                if rm_blocks or _rm_ev:
-                    if rm_bits:
-                        _add_by_bit(r.removed_by_tier, rm_bits)
-                    r.removed_blocks += rm_blocks
-                    c = self._c
-                    c["removed_blocks"] += hits
-                    c["unknown_removals"] += misses
-                if clears:
-                    r.clears += clears
-                    self._c["clears"] += clears_n
+                nxt = self._tally(r, model, core.apply_events(
+                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A))
                 if nxt >= n:
                     break
                 apply_each(self, pod, rank, events[nxt : nxt + 1], model, kinds, 0, r)
                 i = nxt + 1
         return r
+
+    def apply_raw(
+        self, pod: str, dp_rank: int, raw, events: Callable[[], Sequence], *, model: str | None = None,
+        kinds: tuple[type, type, type],
+    ) -> ApplyResult:
+        """:meth:`apply_events` of a ``kvindex._native.RawBatch`` (see :class:`kvindex.contract.RawApply`).
+
+        The core decodes nothing here: ``raw`` holds the batch's integers
+        already; the events the core does not take (an orphan, another block
+        size) and every event while orphans or speculative entries exist are
+        applied from ``events()``, the reference decoding of the same batch.
+        """
+        rank = dp_rank if type(dp_rank) is int and -(2**31) <= dp_rank < 2**31 else _rank(dp_rank)
+        r = ApplyResult()
+        n = len(raw)
+        i = 0
+        with self._lock:
+            w = self._wscope.get(model)
+            mid, root = w if w is not None else self._write_scope(model)
+            K = self._k_bytes
+            A = 0 if self._compat else self._A
+            core = self._core
+            while i < n:
+                if self._orphans or self._spec:
+                    return apply_each(self, pod, rank, events(), model, kinds, i, r)
+                nxt = self._tally(r, model, core.apply_raw(pod, rank, mid, raw, i, root, K, A))
+                if nxt >= n:
+                    break
+                apply_each(self, pod, rank, events()[nxt : nxt + 1], model, kinds, 0, r)
+                i = nxt + 1
+        return r
+
+    def _write_scope(self, model: str | None) -> tuple[int, int]:
+        """(model id, scope root) of ``model``'s writes: both fixed once assigned."""
+        w = self._wscope.get(model)
+        if w is None:
+            w = self._wscope[model] = (self._mid(model), 0 if self._compat else self.token_processor._root(model, None))
+        return w
+
+    def _tally(self, r: ApplyResult, model: str | None, out: tuple) -> int:
+        """Add one core batch call's counts to ``r`` and the index counters; returns its next event."""
+        (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = out
+        if st_bits:
+            if len(st_bits) == 1:  # GPU only (bit 0), the usual case
+                by = r.stored_by_tier
+                by[GPU] = by.get(GPU, 0) + st_bits[0]
+            else:
+                _add_by_bit(r.stored_by_tier, st_bits)
+        if st_ev:
+            r.stored_blocks += st_blocks
+            if model not in self._models:
+                self._models.add(model)
+        if rm_blocks or _rm_ev:
+            if rm_bits:
+                _add_by_bit(r.removed_by_tier, rm_bits)
+            r.removed_blocks += rm_blocks
+            c = self._c
+            c["removed_blocks"] += hits
+            c["unknown_removals"] += misses
+        if clears:
+            r.clears += clears
+            self._c["clears"] += clears_n
+        return nxt
 
     def block_removed(
         self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None

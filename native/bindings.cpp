@@ -29,6 +29,26 @@ NB_MODULE(_native, m) {
           "key_i = A * key_{i-1} + fmix64(sum_t tokens[i*bs+t] * K[t] + add[i]), bs = len(K).\n"
           "Returns the keys as native-endian uint64 bytes (numpy.frombuffer(..., numpy.uint64)).");
 
+    nb::class_<RawBatch>(m, "RawBatch")
+        .def("__len__", &RawBatch::size)
+        .def_ro("resets", &RawBatch::resets)
+        .def_ro("grouped", &RawBatch::grouped)
+        .def("contents", [](const RawBatch& rb) {
+            // for tests: per event (kind, tier bit, parent or None, block size, hashes, tokens)
+            nb::list out;
+            for (const RawEvent& x : rb.evs) {
+                std::vector<u64> h(rb.data.begin() + x.h_off, rb.data.begin() + x.h_off + x.h_n);
+                std::vector<u64> t(rb.data.begin() + x.t_off, rb.data.begin() + x.t_off + x.t_n);
+                nb::object par = x.has_parent ? nb::cast(x.parent) : nb::none();
+                out.append(nb::make_tuple(x.kind, x.bit, par, x.block_size, h, t));
+            }
+            return out;
+        });
+    m.def("read_raw_batch", &read_raw_batch, nb::arg("events"), nb::arg("stored_t"), nb::arg("removed_t"),
+          nb::arg("cleared_t"), nb::arg("medium_bits"),
+          "kvevents.fastwire's events (Raw hashes and tokens) -> RawBatch, or None when one is not of the\n"
+          "plain shape it reads (the caller then decodes the reference way).");
+
     nb::class_<IndexCore>(m, "IndexCore")
         .def(nb::init<u64, bool>(), nb::arg("capacity"), nb::arg("compat"))
         .def("store_keys", &IndexCore::store_keys)
@@ -37,6 +57,7 @@ NB_MODULE(_native, m) {
         .def("remove", &IndexCore::remove)
         .def("clear", &IndexCore::clear, nb::arg("pod"), nb::arg("rank").none(), nb::arg("model"))
         .def("apply_events", &IndexCore::apply_events)
+        .def("apply_raw", &IndexCore::apply_raw)
         .def("touch", &IndexCore::touch)
         .def("prefix_match", &IndexCore::prefix_match, nb::arg("keys"), nb::arg("pods").none(), nb::arg("touch"),
              nb::arg("guard") = false)

@@ -18,9 +18,7 @@ struct IndexCore::BatchCounts {
     std::vector<u64> st_bits = std::vector<u64>(64, 0), rm_bits = std::vector<u64>(64, 0);
 };
 
-std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, std::vector<u64>,
-           std::vector<u64>>
-IndexCore::apply_events(
+IndexCore::ApplyOut IndexCore::apply_events(
     const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
     nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
     nb::handle K_o, u64 A) {
@@ -40,29 +38,80 @@ IndexCore::apply_events(
     read_events(items, start, n, stored_t, removed_t, cleared_t, tier_bits, bs, evs);
 
     BatchCounts c;
-    size_t applied = 0;
+    size_t applied;
     {
         nb::gil_scoped_release nogil;
-        auto lk = wlock();
-        std::vector<u64> rks;
-        for (; applied < evs.size(); ++applied) {
-            BatchEvent& x = evs[applied];
-            if (x.kind == 2) {
-                size_t removed = clear_locked(pod, rank, mid);
-                ++c.clears;
-                if (removed) ++c.clears_n;
-                continue;
-            }
-            if (x.kind == 1) {
-                apply_removed(pod, rank, mid, x, c);
-                continue;
-            }
-            if (!apply_stored(pod, rank, mid, x, root, K, A, rks, c)) break;  // an orphan: the caller keeps it
-        }
+        applied = apply_locked(pod, rank, mid, evs, root, K, A, c);
     }
+    return apply_out(start + applied, c);
+}
+
+IndexCore::ApplyOut IndexCore::apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb,
+                                         size_t start, u64 root, nb::bytes K_b, u64 A) {
+    U64View K;  // the chain's K as native-endian uint64 bytes (read in place: no array conversion)
+    if (K_b.size() % sizeof(u64)) throw nb::value_error("K: a whole number of uint64 expected");
+    K.owned.resize(K_b.size() / sizeof(u64));
+    std::memcpy(K.owned.data(), K_b.c_str(), K_b.size());
+    K.data = K.owned.data();
+    K.n = K.owned.size();
+    size_t bs = K.n;
+    if (bs == 0) throw nb::value_error("empty K");
+    BatchCounts c;
+    size_t applied;
+    {
+        nb::gil_scoped_release nogil;
+        std::vector<BatchEvent> evs;
+        size_t n = rb.evs.size();
+        evs.reserve(n > start ? n - start : 0);
+        const u64* d = rb.data.data();
+        for (size_t i = start; i < n; ++i) {
+            const RawEvent& r = rb.evs[i];
+            // read_event's stop: a store of another block size (read_raw_batch took only stores
+            // with tokens, block_size tokens per hash, and a known tier)
+            if (r.kind == 0 && (size_t)r.block_size != bs) break;
+            evs.emplace_back();
+            BatchEvent& x = evs.back();
+            x.kind = r.kind;
+            x.bit = r.bit;
+            x.has_parent = r.has_parent;
+            x.parent = r.parent;
+            x.eks.data = d + r.h_off;
+            x.eks.n = r.h_n;
+            x.toks.data = d + r.t_off;
+            x.toks.n = r.t_n;
+        }
+        applied = apply_locked(pod, rank, mid, evs, root, K, A, c);
+    }
+    return apply_out(start + applied, c);
+}
+
+inline size_t IndexCore::apply_locked(const std::string& pod, int32_t rank, uint16_t mid,
+                                      std::vector<BatchEvent>& evs, u64 root, const U64View& K, u64 A,
+                                      BatchCounts& c) {
+    auto lk = wlock();
+    std::vector<u64> rks;
+    size_t applied = 0;
+    for (; applied < evs.size(); ++applied) {
+        BatchEvent& x = evs[applied];
+        if (x.kind == 2) {
+            size_t removed = clear_locked(pod, rank, mid);
+            ++c.clears;
+            if (removed) ++c.clears_n;
+            continue;
+        }
+        if (x.kind == 1) {
+            apply_removed(pod, rank, mid, x, c);
+            continue;
+        }
+        if (!apply_stored(pod, rank, mid, x, root, K, A, rks, c)) break;  // an orphan: the caller keeps it
+    }
+    return applied;
+}
+
+inline IndexCore::ApplyOut IndexCore::apply_out(size_t next, BatchCounts& c) {
     for (std::vector<u64>* v : {&c.st_bits, &c.rm_bits})
         while (!v->empty() && v->back() == 0) v->pop_back();
-    return {start + applied, c.st_ev, c.st_blocks, c.rm_ev, c.rm_blocks, c.hits, c.misses, c.clears, c.clears_n,
+    return {next, c.st_ev, c.st_blocks, c.rm_ev, c.rm_blocks, c.hits, c.misses, c.clears, c.clears_n,
             std::move(c.st_bits), std::move(c.rm_bits)};
 }
 

@@ -33,6 +33,7 @@
 #pragma once
 
 #include "keys.h"
+#include "raw_batch.h"
 #include "records.h"
 
 namespace kvnative {
@@ -74,12 +75,18 @@ class IndexCore {
     // events, removed blocks (sum of lengths), removals that hit, removals that missed, clears,
     // clears that removed something, stored blocks per tier bit, removed blocks per tier bit); the
     // per-bit lists end at the highest bit counted.
-    std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, std::vector<u64>,
-               std::vector<u64>>
-    apply_events(
+    using ApplyOut = std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t,
+                                std::vector<u64>, std::vector<u64>>;
+    ApplyOut apply_events(
         const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
         nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
         nb::handle K_o, u64 A);
+
+    // apply_events for a RawBatch (kvevents/fastwire.py: the integers read from msgpack without
+    // Python objects), from event `start`: the same checks, order, stops and answer; the GIL is
+    // released for the whole apply.
+    ApplyOut apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb, size_t start,
+                       u64 root, nb::bytes K_b, u64 A);
 
     // Before an event's puts: start loading what they will read first, the home slots of its
     // request keys (level 1) and engine keys (level 2), then the records those slots point to,
@@ -188,6 +195,9 @@ class IndexCore {
                                    nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, size_t bs,
                                    std::vector<BatchEvent>& evs);
     static inline bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x);
+    inline size_t apply_locked(const std::string& pod, int32_t rank, uint16_t mid, std::vector<BatchEvent>& evs,
+                               u64 root, const U64View& K, u64 A, BatchCounts& c);
+    static inline ApplyOut apply_out(size_t next, BatchCounts& c);
     inline void apply_removed(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, BatchCounts& c);
     inline bool apply_stored(const std::string& pod, int32_t rank, uint16_t mid, const BatchEvent& x, u64 root,
                              const U64View& K, u64 A, std::vector<u64>& rks, BatchCounts& c);
