@@ -487,7 +487,15 @@ class Indexer:
             tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
         if not len(keys):
             return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
-        return keys, self._prefix_from_summary(summary, len(keys), candidates), ranks
+        prefix = self._prefix_from_summary(summary, len(keys), candidates)
+        if self._grouped and summary:
+            # hybrid pods (their engines publish other KV-cache groups): matched again, bounded by the hit rule
+            hybrid = [p for p in summary if self.index.grouped_ranks(p, model=model)]  # type: ignore[attr-defined]
+            if hybrid:
+                prefix.update(self._match(keys, hybrid, len(tokens), model))
+                for p in hybrid:
+                    ranks.pop(p, None)  # its DP rank: of the bounded match (_choose asks best_dp_rank)
+        return keys, prefix, ranks
 
     def _match(
         self, keys: np.ndarray, candidates: list[str], prompt_tokens: int, model: str | None
