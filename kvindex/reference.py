@@ -578,6 +578,16 @@ class KVBlockIndex(SideTables, GroupsMixin):
         v = emap.get(engine_key) if emap is not None else None
         return v[0] if v is not None else None
 
+    def _main_masks(self, pod: str, dp_rank: int, model: str | None, keys: list[int]) -> list[int]:
+        """Tier mask per request key of publisher (pod, rank, model) in the main tables (0 = absent)."""
+        out = []
+        for rk in keys:
+            pods = self._blocks.get(rk)
+            pb = pods.get(pod) if pods is not None else None
+            entry = pb.ranks.get(dp_rank) if pb is not None else None
+            out.append(entry[0] if entry is not None and entry[2] == model else 0)
+        return out
+
     def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
         """Store ``item`` under ``parent_rk``, then every orphan it releases."""
         attached = 0
