@@ -334,7 +334,8 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
         with self._lock:
             mid = -1 if every else self._model_ids.get(model)
             n = self._core.clear(pod, rank, mid) if mid is not None else 0
-            n += self._groups.clear(lambda s: s[0] == pod and (rank is None or s[1] == rank) and (every or s[2] == model))
+            n += self._groups.clear(
+                lambda s: s[0] == pod and (rank is None or s[1] == rank) and (every or s[2] == model))
             self._drop_orphans_of(pod, rank, model)
             if rank is None and every:
                 held = self._held.pop(pod, None)
