@@ -426,3 +426,37 @@ def test_group_tables_are_bounded_by_the_capacity(backend: str) -> None:
     st_ = ix.stats()
     assert (st_.group_entries, st_.group_evictions) == (4, 2)
     assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
+
+
+@pytest.mark.parametrize("algo", ["xxh3_chain", "vllm_sha256_cbor"])
+def test_the_compiled_read_path_bounds_hybrid_pods_only(algo: str) -> None:
+    """score() on the compiled backend (one-call token match) equals the reference's: a hybrid pod whose
+    sliding-window group lost its trailing blocks is cut to the rule's hit, a plain pod keeps its match."""
+    _native()
+    path = tuple(range(1, 6 * BS + 3))
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    full = {"group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    ixs = [Indexer(Config.from_dict({"token_processor_config": {"block_size": BS, "algorithm": algo},
+                                     "kv_block_index_config": {"backend": b}})) for b in ("python", "native")]
+    tp = ixs[0].token_processor
+    eks = [int(k) for k in tp.request_keys(path)] if algo != "xxh3_chain" else [
+        engine_hash(path[: (i + 1) * BS]) for i in range(6)]
+    batches = {
+        "hybrid": [stored_event(eks, None, path[: 6 * BS], BS, **full),
+                   stored_event(eks, None, path[: 6 * BS], BS, **swa),
+                   removed_event(eks[3:5]) | {"group_idx": 0}],
+        "plain": [stored_event(eks, None, path[: 6 * BS], BS)],
+    }
+    scores = []
+    for ix in ixs:
+        for pod, events in batches.items():
+            batch = decode_vllm_batch(batch_payload(events))
+            assert not ix.index.apply_events(pod, 0, batch.events, kinds=KINDS).errors
+        assert ix._token_match == (ix.index is ixs[1].index)  # the compiled backend reads in one call
+        scores.append(ix.score(list(path), ["hybrid", "plain"]))
+    ref, nat = scores
+    assert nat.prefix == ref.prefix and nat.pod == ref.pod
+    # the window (2 blocks) must end at a hit: blocks 3 and 4 are gone, so the hit ends after block 2 (12 tokens)
+    assert nat.predicted_cached_tokens("hybrid") == 3 * BS and nat.prefix["hybrid"].limited_by_group == 0
+    assert nat.prefix["hybrid"].hybrid and not nat.prefix["plain"].hybrid
+    assert nat.predicted_cached_tokens("plain") == 6 * BS
