@@ -335,6 +335,10 @@ class GroupsMixin:
             else:
                 self._groups.distrust.pop(stream, None)
 
+    def any_grouped(self) -> bool:
+        """Whether any stream's stores named more than one group or a non-full-attention one (no lock: a hint)."""
+        return bool(self._groups.hybrid)
+
     def grouped_ranks(self, pod: str, *, model: str | None = None) -> list[int]:
         """DP ranks of ``pod`` (under ``model``) whose stores named more than one group or a
         non-full-attention one, sorted; [] for a plain model."""
