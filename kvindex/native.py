@@ -235,7 +235,8 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
             stored_t, removed_t, cleared_t = kinds
             core = self._core
             stream = (pod, rank, model)
-            waiting = self._groups.waiting
+            groups = self._groups
+            waiting = groups.waiting
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
@@ -243,7 +244,7 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
                     apply_each(self, pod, rank, events[i : i + 1], model, kinds, 0, r)
                     i += 1
                     continue
-                gate = self._gate(stream)
+                gate = self._gate(stream) if groups.specs else ()  # no stream has learned a group yet
                 (nxt, st_ev, st_blocks, _rm_ev, rm_blocks, hits, misses, clears, clears_n, st_bits, rm_bits) = (
                     core.apply_events(
                         pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A, gate)
