@@ -124,7 +124,7 @@ inline bool IndexCore::group_ok(nb::handle e, bool is_store, const GroupGate& ga
         PyErr_Clear();
         return false;
     }
-    if (!is_store) return !gate.grouped || g == gate.primary;  // no group learned: the main tables, as before
+    if (!is_store) return !gate.grouped || (g >= 0 && g == gate.primary);  // no group learned: the main tables
     if (g < 0 || g != gate.primary) return false;  // a group to learn, or another group's store
     nb::object kind = nb::getattr(e, a_kind);
     if (kind.is_none() ? !gate.none_kind : !py_eq(kind.ptr(), gate.kind)) return false;

@@ -460,3 +460,26 @@ def test_the_compiled_read_path_bounds_hybrid_pods_only(algo: str) -> None:
     assert nat.predicted_cached_tokens("hybrid") == 3 * BS and nat.prefix["hybrid"].limited_by_group == 0
     assert nat.prefix["hybrid"].hybrid and not nat.prefix["plain"].hybrid
     assert nat.predicted_cached_tokens("plain") == 6 * BS
+
+
+def test_the_compiled_batch_apply_routes_odd_groups_as_the_reference() -> None:
+    """Events the core must leave to Python: a removal naming a negative or unknown group while no primary
+    group is known, a store without group_idx beside grouped ones, a clear of a grouped stream."""
+    path = tuple(range(1, 2 * BS + 1))
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    eks = [int(k) for k in tp.request_keys(path)]
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    batches = [
+        [BlockStored(tuple(eks), None, path, BS, GPU, **swa), BlockStored(tuple(eks), None, path, BS, GPU)],
+        [BlockRemoved((eks[0],), GPU, group_idx=-1), BlockRemoved((eks[1],), GPU, group_idx=5)],
+        [BlockStored(tuple(eks), None, path, BS, GPU, group_idx=1, kv_cache_spec_kind="full_attention"),
+         BlockRemoved((eks[1],), GPU, group_idx=1), BlockRemoved((eks[0],), GPU, group_idx=0)],
+        [AllBlocksCleared(), BlockStored(tuple(eks), None, path, BS, GPU, group_idx=1)],
+    ]
+    ref, nat = KVBlockIndex(tp), _native()(tp)
+    for events in batches:
+        assert nat.apply_events("a", 0, events, kinds=KINDS) == ref.apply_events("a", 0, events, kinds=KINDS)
+        assert nat.stats() == ref.stats()
+        assert nat.group_match(eks, "a") == ref.group_match(eks, "a")
+        assert nat.prefix_match(eks) == ref.prefix_match(eks)
+    assert nat.prefix_match(eks) == {"a": [GPU_BIT, GPU_BIT]}
