@@ -3,7 +3,7 @@
 msgspec parses and validates the message as :mod:`kvevents.wire` does, into
 structs of the plain shape only (a store with tokens, a removal, a clear; no
 LoRA, extra keys, lookahead tokens, locality or ownership; group 0 of a
-full-attention kind or no group at all; unknown keys refused) whose
+the full_attention kind or no group at all; unknown keys refused) whose
 ``block_hashes`` and ``token_ids`` stay ``msgspec.Raw``; the compiled core
 (``kvindex._native.read_raw_batch``) reads those msgpack integer arrays with
 bounds and type checks into one :class:`FastBatch`, which the compiled index
@@ -36,7 +36,7 @@ except ImportError:  # no compiled core: nothing is decoded here
 __all__ = ["FastBatch", "decode_fast"]
 
 _Rank = Annotated[int, msgspec.Meta(ge=0)]
-_Full = Literal["full_attention", "mla_attention", "sink_full_attention"]  # kvindex.hybrid.FULL_KINDS
+_Full = Literal["full_attention"]  # the kind a plain model's stores name (others: the reference way)
 
 
 class _StoredFields(msgspec.Struct, gc=False, forbid_unknown_fields=True):

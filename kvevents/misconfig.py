@@ -189,7 +189,7 @@ class StreamCheck:
                 self._set(KV_CACHE_GROUPS, (
                     f"{self.pod}: the engine publishes a {kind} KV-cache group (a hybrid model) and this index "
                     "backend keeps no groups, so it claims blocks the engine will not serve: set "
-                    "kv_block_index_config.backend: python or redis, with a vllm_* algorithm (docs/hybrid.md)"
+                    "kv_block_index_config.backend: native, python or redis, with a vllm_* algorithm (docs/hybrid.md)"
                 ))
                 return
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from kvevents.actions import Action, Apply, Clear, Complete, Confirm, Count, Replay
 from kvevents.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvevents.fastwire import FastBatch, decode_fast
-from kvindex.hybrid import FULL_KINDS
+from kvindex.hybrid import FULL_KINDS, GroupSpec
 from kvevents.misconfig import MODEL_NAME
 from kvevents.messages import (
     _STOP, DECODERS, RawMessage, Source, StoreObserver, _as_batch, _Bootstrap, _Disconnected, _Dropped,
@@ -288,7 +288,7 @@ class _Shard(_Recovery):
                 self._apply_fast(st, batch)
                 return
             batch = batch.slow()
-        if st.flat:
+        if st.flat is not None and (st.flat[0] or st.flat[1]):
             st.flat = None  # the reference path may teach a GroupAware index groups: ask again
         c = self.c
         index = self.pool.index
@@ -322,13 +322,18 @@ class _Shard(_Recovery):
         if st.check.watching or (self.pool.store_observers and self.pool.observers_of(st.pod, st.rank, st.model)):
             return False
         if self.grouped:
-            if fb.raw.grouped:
-                return False
             flat = st.flat
             if flat is None:
-                specs = self.pool.index.group_specs(st.pod, st.rank, model=st.model)  # type: ignore[attr-defined]
-                flat = st.flat = len(specs) <= 1 and all(g.kind in FULL_KINDS for g in specs.values())
-            return flat
+                index = self.pool.index
+                specs = index.group_specs(st.pod, st.rank, model=st.model)  # type: ignore[attr-defined]
+                plain = len(specs) <= 1 and all(g.kind in FULL_KINDS for g in specs.values())
+                # a batch naming group 0 as full attention (every vLLM 0.32 store of a plain model) once
+                # the stream has learned exactly that group: the reference path would change nothing
+                named = plain and specs.get(0) == GroupSpec(0, "full_attention", index.block_size)  # type: ignore[attr-defined]
+                flat = st.flat = (plain, named, bool(specs))
+            if fb.raw.resets and flat[2]:
+                return False  # a clear forgets the stream's groups too: the reference way
+            return flat[1] if fb.raw.grouped else flat[0]
         return True
 
     def _apply_fast(self, st: _Stream, fb: FastBatch) -> None:

@@ -139,7 +139,9 @@ class _Stream:
         self.removed: dict[str, int] = {}  # tier -> blocks removed
         self.losses = 0  # times state was lost: became incomplete, cleared, or a lossy batch applied
         self.check = check if check is not None else ConfigCheck(None).stream(pod, model, rank)
-        self.flat: bool | None = None  # no KV-cache group but a full-attention one known (None: ask the index)
+        #: whether a fast batch may go raw (without group fields, naming group 0 full attention) and
+        #: whether the index learned groups of the stream; None: ask the index
+        self.flat: tuple[bool, bool, bool] | None = None
 
 
 class StreamCounters(NamedTuple):

@@ -260,10 +260,9 @@ class GroupAware(Protocol):
     Its ``block_stored`` takes ``group=`` (a :class:`kvindex.hybrid.GroupSpec`,
     from the event's group fields) and its ``block_removed`` takes
     ``group_idx=``; the write path passes them only to such a backend.  A
-    removal of one group never drops another group's entry.  The reference
-    and Redis backends are GroupAware (Redis keeps the groups in the server,
-    shared by router replicas); the compiled backend merges the groups of a
-    publisher (a BlockRemoved of any group drops the block), as before.
+    removal of one group never drops another group's entry.  The reference,
+    compiled and Redis backends are all GroupAware (Redis keeps the groups in
+    the server, shared by router replicas).
     """
 
     def group_specs(self, pod: str, dp_rank: int = 0, *, model: str | None = None) -> dict[int, GroupSpec]: ...

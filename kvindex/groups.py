@@ -1,4 +1,4 @@
-"""Per-KV-cache-group state of the reference index (hybrid models).
+"""Per-KV-cache-group state of the reference and compiled indexes (hybrid models).
 
 vLLM publishes one BlockStored per KV-cache group with the same block hashes
 and a different ``group_idx`` (vllm/v1/core/block_pool.py; its prefix cache
@@ -8,8 +8,9 @@ block it drops.  Per publisher (pod, DP rank, model) the reference keeps:
 - the spec of each group, learned from its stores (BlockRemoved has no kind);
 - the *primary* group: the first full-attention group seen (a store with no
   kind counts as full attention).  Its blocks live in the index's main tables
-  (what ``prefix_match`` walks), so a plain model (one group, ``group_idx``
-  absent or 0) costs nothing more per block;
+  (what ``prefix_match`` walks; the compiled core for the compiled index), so
+  a plain model (one group, ``group_idx`` absent or 0) costs nothing more per
+  block;
 - every other group's blocks in a table of its own (engine key -> request
   key and tier mask), so a removal or store of one group never touches
   another group's entries;
@@ -215,14 +216,14 @@ class GroupTables:
 
 
 class GroupsMixin:
-    """The reference index's per-group write and read methods (see the module docstring).
+    """The per-group write and read methods of the reference and compiled indexes (see the module docstring).
 
     The index provides ``_lock``, ``_groups`` (a :class:`GroupTables`), ``_c``
     (counters ``stored_blocks``, ``removed_blocks``, ``unknown_removals``,
     ``unknown_offloads``), ``_compat``, ``block_size``, ``token_processor``,
-    ``_blocks`` (request key -> pod -> block with ``ranks``: DP rank ->
-    [tier mask, engine key, model]) and ``_resolve`` (the main tables' engine
-    key -> request key).
+    ``_resolve`` (the main tables' engine key -> request key) and
+    ``_main_masks`` (the main tables' tier mask per request key of one
+    publisher).
     """
 
     _groups: GroupTables
@@ -230,9 +231,9 @@ class GroupsMixin:
     _compat: bool
     block_size: int
     token_processor: Any
-    _blocks: Any
     _lock: Any
     _resolve: Callable[..., int | None]
+    _main_masks: Callable[[str, int, "str | None", list[int]], list[int]]
 
     def _store_in_group(
         self, stream: Stream, group: GroupSpec, engine_keys: Sequence[int], parent: int | None,
@@ -334,6 +335,10 @@ class GroupsMixin:
             else:
                 self._groups.distrust.pop(stream, None)
 
+    def any_grouped(self) -> bool:
+        """Whether any stream's stores named more than one group or a non-full-attention one (no lock: a hint)."""
+        return bool(self._groups.hybrid)
+
     def grouped_ranks(self, pod: str, *, model: str | None = None) -> list[int]:
         """DP ranks of ``pod`` (under ``model``) whose stores named more than one group or a
         non-full-attention one, sorted; [] for a plain model."""
@@ -366,12 +371,3 @@ class GroupsMixin:
                 out[g] = self._main_masks(pod, dp_rank, model, keys) if g == primary else (
                     self._groups.masks(stream, g, keys))
             return out
-
-    def _main_masks(self, pod: str, dp_rank: int, model: str | None, keys: list[int]) -> list[int]:
-        out = []
-        for rk in keys:
-            pods = self._blocks.get(rk)
-            pb = pods.get(pod) if pods is not None else None
-            entry = pb.ranks.get(dp_rank) if pb is not None else None
-            out.append(entry[0] if entry is not None and entry[2] == model else 0)
-        return out

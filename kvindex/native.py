@@ -59,6 +59,8 @@ import numpy as np
 
 from kvindex import _native
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
+from kvindex.groups import MAIN, GroupsMixin, GroupTables, Stream
+from kvindex.hybrid import GroupSpec
 from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
 from kvindex.keys import TokenProcessor, _tokens_to_u64
 from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
@@ -84,15 +86,17 @@ def _rank(dp_rank: int) -> int:
     return r
 
 
-class NativeKVBlockIndex(SideTables):
+class NativeKVBlockIndex(SideTables, GroupsMixin):
     """The two-level KV block index with its data in compiled code.
 
     Args and errors: as :class:`kvindex.reference.KVBlockIndex` (token_processor,
     capacity >= 1, max_orphan_blocks >= 0, clock).  Holds at most 16,381 pods
     with blocks at once and 2**27 - 2 request keys (capacity is capped there).
+
+    KV-cache groups (hybrid models) as the reference keeps them
+    (:mod:`kvindex.groups`): the primary group's blocks in the compiled core,
+    the other groups' in Python tables beside it.
     """
-
-
 
     def __init__(
         self,
@@ -128,9 +132,13 @@ class NativeKVBlockIndex(SideTables):
         self._model_ids: dict[str | None, int] = {None: 0}
         self._wscope: dict[str | None, tuple[int, int]] = {}  # model -> (model id, scope root), for apply_events
         self._init_side_tables()  # orphans, speculative and held entries, as the reference
-        # counters kept here; the core keeps evictions, stored/removed blocks, unknown removals/offloads
+        self._groups = GroupTables(capacity)  # KV-cache groups other than the primary one (hybrid models)
+        # counters kept here (the groups' included); the core keeps evictions, stored/removed blocks,
+        # unknown removals/offloads of its tables
         self._c = dict.fromkeys(
             (
+                "stored_blocks",
+                "unknown_offloads",
                 "removed_blocks",
                 "unknown_removals",
                 "orphans",
@@ -158,11 +166,19 @@ class NativeKVBlockIndex(SideTables):
         extra_keys: Sequence[Sequence | None] | None = None,
         lora_name: str | None = None,
         model: str | None = None,
+        group: GroupSpec | None = None,
     ) -> int:
-        """Apply one BlockStored event (as :meth:`kvindex.reference.KVBlockIndex.block_stored`)."""
+        """Apply one BlockStored event (as :meth:`kvindex.reference.KVBlockIndex.block_stored`).
+
+        ``group``: the event's KV-cache group; a store of a group other than
+        the publisher's primary one goes to that group's table only.
+        """
         bit = tier_bit(tier)
         rank = _rank(dp_rank)
         with self._lock:
+            if group is not None and self._groups.learn((pod, rank, model), group) != MAIN:
+                return self._store_in_group((pod, rank, model), group, engine_keys, parent_engine_key,
+                                            token_ids, bit, block_size, extra_keys, lora_name)
             mid = self._mid(model)
             if token_ids is None or len(token_ids) == 0:
                 done = _u64(self._core.store_tokenless(pod, rank, mid, engine_keys, bit))
@@ -179,13 +195,15 @@ class NativeKVBlockIndex(SideTables):
                     self._confirm_many(pod, engine_keys)
                 return n
             item = _Orphan(pod, rank, tuple(engine_keys), token_ids, bit, extras, lora_name, model, set())
-            if parent_engine_key is None:
-                return self._attach(item, None)
-            parent_rk = self._core.resolve(pod, rank, mid, parent_engine_key)
-            if parent_rk is None:
+            parent_rk = None if parent_engine_key is None else self._core.resolve(pod, rank, mid, parent_engine_key)
+            if parent_engine_key is not None and parent_rk is None:
                 self._add_orphan(parent_engine_key, item)
-                return 0
-            return self._attach(item, parent_rk)
+                n = 0
+            else:
+                n = self._attach(item, parent_rk)
+            if self._groups.waiting:  # other groups' stores waiting for a parent this one may bring
+                self._release_waiting((pod, rank, model))
+            return n
 
     def apply_events(
         self, pod: str, dp_rank: int, events, *, model: str | None = None, kinds: tuple[type, type, type]
@@ -199,7 +217,10 @@ class NativeKVBlockIndex(SideTables):
         parent, a malformed event), which is applied here by the per-event
         method, and the next run goes back to the core.  While orphans or
         speculative entries exist (they live in Python), events are applied
-        one by one.
+        one by one.  KV-cache groups: the core takes the primary group's
+        events (and those without group_idx) only; another group's event, a
+        store that teaches a group, and a clear of a publisher that has
+        learned groups are applied here (see :meth:`_gate`).
         """
         rank = dp_rank if type(dp_rank) is int and -(2**31) <= dp_rank < 2**31 else _rank(dp_rank)
         r = ApplyResult()
@@ -211,11 +232,19 @@ class NativeKVBlockIndex(SideTables):
             A = 0 if self._compat else self._A
             stored_t, removed_t, cleared_t = kinds
             core = self._core
+            stream = (pod, rank, model)
+            groups = self._groups
+            waiting = groups.waiting
             while i < n:
                 if self._orphans or self._spec:
                     return apply_each(self, pod, rank, events, model, kinds, i, r)
+                if waiting and stream in waiting:  # each primary store may release them: one by one
+                    apply_each(self, pod, rank, events[i : i + 1], model, kinds, 0, r)
+                    i += 1
+                    continue
+                gate = self._gate(stream) if groups.specs else ()  # no stream has learned a group yet
                 nxt = self._tally(r, model, core.apply_events(
-                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A))
+                    pod, rank, mid, events, i, stored_t, removed_t, cleared_t, TIERS._bits, root, K, A, gate))
                 if nxt >= n:
                     break
                 apply_each(self, pod, rank, events[nxt : nxt + 1], model, kinds, 0, r)
@@ -243,8 +272,9 @@ class NativeKVBlockIndex(SideTables):
             K = self._k_bytes
             A = 0 if self._compat else self._A
             core = self._core
+            waiting = self._groups.waiting
             while i < n:
-                if self._orphans or self._spec:
+                if self._orphans or self._spec or (waiting and (pod, rank, model) in waiting):
                     return apply_each(self, pod, rank, events(), model, kinds, i, r)
                 nxt = self._tally(r, model, core.apply_raw(pod, rank, mid, raw, i, root, K, A))
                 if nxt >= n:
@@ -285,14 +315,36 @@ class NativeKVBlockIndex(SideTables):
             self._c["clears"] += clears_n
         return nxt
 
+    def _gate(self, stream: Stream) -> tuple[()] | tuple[int, str | None, int | None, bool]:
+        """What the core's batch apply may take of the stream's events (native/index_core.h apply_events).
+
+        () while the stream has learned no group; else (primary group_idx,
+        its kind, its window, whether a store without a kind is its spec), the
+        group_idx -1 while no primary spec the core can take as it is exists.
+        """
+        specs = self._groups.specs.get(stream)
+        if not specs:
+            return ()
+        g = self._groups.primary.get(stream)
+        spec = specs.get(g) if g is not None else None
+        if spec is None or spec.block_size != self.block_size or spec.eagle:
+            return (-1, None, None, False)
+        return (spec.group_idx, spec.kind, spec.window, spec.kind == "full_attention")
+
     def block_removed(
-        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None
+        self, pod: str, dp_rank: int, engine_keys: Iterable[int], tier: str, *, model: str | None = None,
+        group_idx: int | None = None,
     ) -> int:
-        """Apply one BlockRemoved of publisher (pod, rank, model) (as the reference)."""
+        """Apply one BlockRemoved of publisher (pod, rank, model) (as the reference).
+
+        ``group_idx``: the event's KV-cache group; only that group's entries go.
+        """
         bit = tier_bit(tier)
         rank = _rank(dp_rank)
         keys = engine_keys if isinstance(engine_keys, (list, tuple, np.ndarray)) else list(engine_keys)
         with self._lock:
+            if self._groups.route((pod, rank, model), group_idx) != MAIN:
+                return self._remove_in_group((pod, rank, model), group_idx, keys, bit)
             mid = self._model_ids.get(model)
             hits = self._core.remove(pod, rank, mid, keys, bit) if mid is not None else [False] * len(keys)
             removed = 0
@@ -323,6 +375,8 @@ class NativeKVBlockIndex(SideTables):
         with self._lock:
             mid = -1 if every else self._model_ids.get(model)
             n = self._core.clear(pod, rank, mid) if mid is not None else 0
+            n += self._groups.clear(
+                lambda s: s[0] == pod and (rank is None or s[1] == rank) and (every or s[2] == model))
             self._drop_orphans_of(pod, rank, model)
             if rank is None and every:
                 held = self._held.pop(pod, None)
@@ -563,10 +617,10 @@ class NativeKVBlockIndex(SideTables):
                 engine_keys=s["engine_keys"],
                 pods=s["pods"],
                 evictions=s["evictions"],
-                stored_blocks=s["stored_blocks"],
+                stored_blocks=s["stored_blocks"] + c["stored_blocks"],
                 removed_blocks=s["removed_blocks"] + c["removed_blocks"],
                 unknown_removals=s["unknown_removals"] + c["unknown_removals"],
-                unknown_offloads=s["unknown_offloads"],
+                unknown_offloads=s["unknown_offloads"] + c["unknown_offloads"],
                 orphan_blocks=self._orphan_blocks,
                 orphans=c["orphans"],
                 orphans_attached=c["orphans_attached"],
@@ -575,6 +629,10 @@ class NativeKVBlockIndex(SideTables):
                 speculative_confirmed=c["speculative_confirmed"],
                 speculative_expired=c["speculative_expired"],
                 clears=c["clears"],
+                group_entries=self._groups.entries(),
+                group_unmapped=self._groups.unmapped,
+                group_trimmed=self._groups.trimmed,
+                group_evictions=self._groups.evictions,
             )
 
     def tier_stats(self) -> dict[str, tuple[int, int]]:
@@ -648,6 +706,18 @@ class NativeKVBlockIndex(SideTables):
                             self._c["orphans_attached"] += len(w.engine_keys) - len(w.removed)
                             work.append((w, rk))
         return attached
+
+    def _resolve(self, pod: str, dp_rank: int, engine_key: int, model: str | None) -> int | None:
+        """The request key of ``engine_key`` in the main tables (the stream's, else the model's level 2)."""
+        mid = self._model_ids.get(model)
+        return None if mid is None else self._core.resolve(pod, dp_rank, mid, int(engine_key))
+
+    def _main_masks(self, pod: str, dp_rank: int, model: str | None, keys: list[int]) -> list[int]:
+        """Tier mask per request key of publisher (pod, rank, model) in the main tables (0 = absent)."""
+        mid = self._model_ids.get(model)
+        if mid is None or not keys:
+            return [0] * len(keys)
+        return _u64(self._core.stream_masks(pod, _rank(dp_rank), mid, _as_keys(keys))).tolist()
 
     def _confirm_many(self, pod: str, rks: Iterable[int]) -> None:
         spec = self._spec

@@ -6,22 +6,16 @@ Level 2: engine key (the engine's block hash from KV events) -> request key
 (ours, from tokens; see :mod:`kvindex.keys`).  A reverse map per (pod, DP rank)
 engine key -> request key makes clearing a pod cost O(that pod's keys).
 
-Write path (called by the kvevents pool, one writer per pod at a time):
-:meth:`KVBlockIndex.block_stored`, :meth:`KVBlockIndex.block_removed`,
-:meth:`KVBlockIndex.clear`, :meth:`KVBlockIndex.add_speculative`.
-Router-held entries by request key (the connector's decode-retained tier):
-:meth:`KVBlockIndex.add_held`, :meth:`KVBlockIndex.remove_held`.
-Read path (any thread): :meth:`KVBlockIndex.prefix_match`,
-:meth:`KVBlockIndex.lookup`.
+Write path (the kvevents pool, one writer per pod at a time): ``block_stored``,
+``block_removed``, ``clear``, ``add_speculative``; router-held entries (the
+connector's decode-retained tier): ``add_held``, ``remove_held``. Read path
+(any thread): ``prefix_match``, ``lookup``.
 
-The event semantics (vllm/distributed/kv_events.py, vLLM 0.32: chaining from
-the parent, orphans, token-less stores, tier copies, clears, engine-compatible
-mode) are described in docs/design.md, "The index".
+The event semantics (vllm/distributed/kv_events.py, vLLM 0.32): docs/design.md, "The index".
 
 Thread safety: every public method holds one re-entrant lock; the read path
 also refreshes recency (least-recently-used eviction counts reads as use).
 """
-
 
 from __future__ import annotations
 
@@ -577,6 +571,15 @@ class KVBlockIndex(SideTables, GroupsMixin):
         emap = self._engine.get(model)
         v = emap.get(engine_key) if emap is not None else None
         return v[0] if v is not None else None
+
+    def _main_masks(self, pod: str, dp_rank: int, model: str | None, keys: list[int]) -> list[int]:
+        """Tier mask per request key of publisher (pod, rank, model) in the main tables (0 = absent)."""
+        out = []
+        for rk in keys:
+            pb = (self._blocks.get(rk) or {}).get(pod)
+            entry = pb.ranks.get(dp_rank) if pb is not None else None
+            out.append(entry[0] if entry is not None and entry[2] == model else 0)
+        return out
 
     def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
         """Store ``item`` under ``parent_rk``, then every orphan it releases."""

@@ -81,7 +81,7 @@ def apply_each(
             if t is stored_t:
                 if not grouped and ev.group_idx is not None and ev.sparse:
                     raise ValueError(f"a sparse {ev.kv_cache_spec_kind} store of KV-cache group {ev.group_idx}: "
-                                     "this backend keeps no groups (backends python and redis do)")
+                                     "this backend keeps no groups (backends native, python and redis do)")
                 kw = {"group": spec_from_store(
                     ev.group_idx, ev.kv_cache_spec_kind, ev.block_size, ev.kv_cache_spec_sliding_window,
                 )} if grouped and ev.group_idx is not None else {}

@@ -69,6 +69,7 @@ NB_MODULE(_native, m) {
         .def("begin_multi", &IndexCore::begin_multi)
         .def("end_multi", &IndexCore::end_multi)
         .def("pod_masks", &IndexCore::pod_masks)
+        .def("stream_masks", &IndexCore::stream_masks)
         .def("lookup", &IndexCore::lookup)
         .def("best_dp_rank", &IndexCore::best_dp_rank)
         .def("resolve", &IndexCore::resolve)

@@ -12,6 +12,15 @@ struct IndexCore::BatchEvent {
     U64View eks, toks;
 };
 
+// Which group's events a run takes (see apply_events in index_core.h).
+struct IndexCore::GroupGate {
+    bool grouped = false;   // the publisher has learned a KV-cache group
+    long long primary = -1;  // its primary group_idx, -1 while none is usable
+    PyObject* kind = nullptr;
+    PyObject* window = nullptr;
+    bool none_kind = false;  // a store without a kind has the primary's spec (full attention)
+};
+
 // What apply_events applied: events, blocks, removal hits and misses, clears, blocks per tier bit.
 struct IndexCore::BatchCounts {
     size_t st_ev = 0, st_blocks = 0, rm_ev = 0, rm_blocks = 0, hits = 0, misses = 0, clears = 0, clears_n = 0;
@@ -21,7 +30,17 @@ struct IndexCore::BatchCounts {
 IndexCore::ApplyOut IndexCore::apply_events(
     const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
     nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
-    nb::handle K_o, u64 A) {
+    nb::handle K_o, u64 A, nb::handle gate_o) {
+    GroupGate gate;
+    nb::tuple g = nb::cast<nb::tuple>(gate_o);
+    if (g.size() != 0) {
+        if (g.size() != 4) throw nb::value_error("gate: () or (primary, kind, window, none_kind)");
+        gate.grouped = true;
+        gate.primary = nb::cast<long long>(g[0]);
+        gate.kind = g[1].ptr();
+        gate.window = g[2].ptr();
+        gate.none_kind = nb::cast<bool>(g[3]);
+    }
     U64View K;
     to_u64(K_o, K, "K");
     size_t bs = K.n;
@@ -35,7 +54,7 @@ IndexCore::ApplyOut IndexCore::apply_events(
 
     std::vector<BatchEvent> evs;
     evs.reserve(n > start ? n - start : 0);
-    read_events(items, start, n, stored_t, removed_t, cleared_t, tier_bits, bs, evs);
+    read_events(items, start, n, stored_t, removed_t, cleared_t, tier_bits, bs, gate, evs);
 
     BatchCounts c;
     size_t applied;
@@ -117,11 +136,12 @@ inline IndexCore::ApplyOut IndexCore::apply_out(size_t next, BatchCounts& c) {
 
 inline void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t,
                                    nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, size_t bs,
-                                   std::vector<BatchEvent>& evs) {
+                                   const GroupGate& gate, std::vector<BatchEvent>& evs) {
     for (size_t stop = start; stop < n; ++stop) {
         PyObject* ev = items[stop];
         PyObject* tp = (PyObject*)Py_TYPE(ev);
         if (tp == cleared_t.ptr()) {
+            if (gate.grouped) break;  // the groups' tables are cleared too: in Python
             evs.emplace_back();
             evs.back().kind = 2;
             continue;
@@ -129,12 +149,39 @@ inline void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb:
         bool is_store = tp == stored_t.ptr();
         if (!is_store && tp != removed_t.ptr()) break;
         BatchEvent x;
-        if (!read_event(ev, is_store, tier_bits, bs, x)) break;
+        if (!read_event(ev, is_store, tier_bits, bs, gate, x)) break;
         evs.push_back(std::move(x));
     }
 }
 
-inline bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x) {
+// Python equality of two objects (false on an error, which is cleared).
+static inline bool py_eq(PyObject* a, PyObject* b) {
+    if (a == b) return true;
+    int r = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (r < 0) PyErr_Clear();
+    return r == 1;
+}
+
+// Does the primary group's table take event e as it is (kvindex/groups.py GroupTables.learn / route)?
+inline bool IndexCore::group_ok(nb::handle e, bool is_store, const GroupGate& gate) {
+    static nb::str a_group("group_idx"), a_kind("kv_cache_spec_kind"), a_window("kv_cache_spec_sliding_window");
+    nb::object gi = nb::getattr(e, a_group);
+    if (gi.is_none()) return true;
+    if (!PyLong_Check(gi.ptr()) || PyBool_Check(gi.ptr())) return false;
+    long long g = PyLong_AsLongLong(gi.ptr());
+    if (g == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+    }
+    if (!is_store) return !gate.grouped || (g >= 0 && g == gate.primary);  // no group learned: the main tables
+    if (g < 0 || g != gate.primary) return false;  // a group to learn, or another group's store
+    nb::object kind = nb::getattr(e, a_kind);
+    if (kind.is_none() ? !gate.none_kind : !py_eq(kind.ptr(), gate.kind)) return false;
+    return py_eq(nb::getattr(e, a_window).ptr(), gate.window);
+}
+
+inline bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, const GroupGate& gate,
+                                  BatchEvent& x) {
     static nb::str a_hashes("block_hashes"), a_parent("parent_block_hash"), a_tokens("token_ids"),
         a_bsize("block_size"), a_tier("tier"), a_lora("lora_name"), a_extra("extra_keys");
     nb::handle e(ev);
@@ -144,6 +191,7 @@ inline bool IndexCore::read_event(PyObject* ev, bool is_store, nb::handle tier_b
         if (PyErr_Occurred()) PyErr_Clear();
         return false;
     }
+    if (!group_ok(e, is_store, gate)) return false;
     x.kind = is_store ? 0 : 1;
     x.bit = PyLong_AsUnsignedLongLong(bit_o);
     if (x.bit == (u64)-1 && PyErr_Occurred()) {

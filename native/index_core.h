@@ -75,12 +75,18 @@ class IndexCore {
     // events, removed blocks (sum of lengths), removals that hit, removals that missed, clears,
     // clears that removed something, stored blocks per tier bit, removed blocks per tier bit); the
     // per-bit lists end at the highest bit counted.
+    // KV-cache groups (kvindex/groups.py): `gate` is () while the publisher has learned no group
+    // (an event's group_idx is then ignored, except that a store naming one stops the run so that
+    // Python learns it), else (primary group_idx or -1, its kind, its window, whether a store
+    // without a kind is that spec): the run takes only what the primary group's tables take as
+    // they are (stores of the primary spec or without group_idx, removals of the primary group or
+    // without group_idx) and stops before any other store or removal and before a clear.
     using ApplyOut = std::tuple<size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t, size_t,
                                 std::vector<u64>, std::vector<u64>>;
     ApplyOut apply_events(
         const std::string& pod, int32_t rank, uint16_t mid, nb::handle events_o, size_t start,
         nb::handle stored_t, nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, u64 root,
-        nb::handle K_o, u64 A);
+        nb::handle K_o, u64 A, nb::handle gate);
 
     // apply_events for a RawBatch (kvevents/fastwire.py: the integers read from msgpack without
     // Python objects), from event `start`: the same checks, order, stops and answer; the GIL is
@@ -135,6 +141,10 @@ class IndexCore {
 
     // Per candidate pod: tier mask (OR over ranks) of every key, 0 where it holds none.
     nb::dict pod_masks(nb::handle keys_o, std::vector<std::string> names);
+
+    // Tier mask of each key held by publisher (pod, rank, model id `mid`), 0 where it holds none
+    // (the primary KV-cache group's presence per block, for kvindex.groups' group_match).
+    nb::bytes stream_masks(const std::string& pod, int32_t rank, uint16_t mid, nb::handle keys_o);
 
     // Every holder of each key: per key a list of (pod, tier mask, rank).
     std::vector<std::vector<std::tuple<std::string, u64, int32_t>>> lookup(nb::handle keys_o);
@@ -191,10 +201,13 @@ class IndexCore {
     // apply_stored answers false for an orphan (a parent engine key it does not know).
     struct BatchEvent;
     struct BatchCounts;
+    struct GroupGate;
     static inline void read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t,
                                    nb::handle removed_t, nb::handle cleared_t, nb::handle tier_bits, size_t bs,
-                                   std::vector<BatchEvent>& evs);
-    static inline bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, BatchEvent& x);
+                                   const GroupGate& gate, std::vector<BatchEvent>& evs);
+    static inline bool read_event(PyObject* ev, bool is_store, nb::handle tier_bits, size_t bs, const GroupGate& gate,
+                                  BatchEvent& x);
+    static inline bool group_ok(nb::handle e, bool is_store, const GroupGate& gate);
     inline size_t apply_locked(const std::string& pod, int32_t rank, uint16_t mid, std::vector<BatchEvent>& evs,
                                u64 root, const U64View& K, u64 A, BatchCounts& c);
     static inline ApplyOut apply_out(size_t next, BatchCounts& c);

@@ -41,6 +41,28 @@ nb::dict IndexCore::pod_masks(nb::handle keys_o, std::vector<std::string> names)
     return out;
 }
 
+nb::bytes IndexCore::stream_masks(const std::string& pod, int32_t rank, uint16_t mid, nb::handle keys_o) {
+    U64View keys;
+    to_u64(keys_o, keys, "request_keys");
+    std::vector<u64> out(keys.n, 0);
+    {
+        nb::gil_scoped_release nogil;
+        std::shared_lock lk(mu_);
+        auto it = pod_by_name_.find(pod);
+        if (it != pod_by_name_.end())
+            for (size_t i = 0; i < keys.n; ++i) {
+                Found bi = rk_map_.find_ptr(keys.data[i]);
+                if (!bi) continue;
+                for (const Holder& h : blocks_[*bi].hs)
+                    if (h.pod() == it->second && hrank(h) == rank && hmodel(h) == mid) {
+                        out[i] = hmask(h);
+                        break;
+                    }
+            }
+    }
+    return new_u64_array(std::move(out));
+}
+
 std::vector<std::vector<std::tuple<std::string, u64, int32_t>>> IndexCore::lookup(nb::handle keys_o) {
     U64View keys;
     to_u64(keys_o, keys, "request_keys");

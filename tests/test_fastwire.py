@@ -117,3 +117,16 @@ def test_a_group_aware_index_with_hybrid_groups_gets_decoded_events(specs, raw):
     ix = Grouped()
     run(ix, [store(0)] + [store(s, group_idx=0) for s in range(1, 4)])
     assert ix.raw == 0
+
+
+@pytest.mark.parametrize("specs, raw", [
+    ({0: GroupSpec(0, "full_attention", BS)}, True),  # learned: group 0 full attention, as every vLLM 0.32 store says
+    ({0: GroupSpec(0, "full_attention", BS), 1: GroupSpec(1, "sliding_window", BS, 64)}, False),
+    ({1: GroupSpec(1, "full_attention", BS)}, False),
+    ({0: GroupSpec(0, "full_attention", 2 * BS)}, False),
+])
+def test_a_batch_naming_group_0_goes_raw_once_the_stream_learned_exactly_that(specs, raw):
+    ix = Grouped()
+    ix.specs = specs
+    run(ix, [store(s, group_idx=0, kv_cache_spec_kind="full_attention") for s in range(5)])
+    assert (ix.raw > 0) is raw

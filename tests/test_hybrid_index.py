@@ -1,4 +1,4 @@
-"""Per-group state of the reference index, driven by a model engine with several KV-cache groups.
+"""Per-group state of the reference and compiled indexes, driven by a model engine with several KV-cache groups.
 
 The model engine (sliding window, full attention, Mamba; block size 4) caches
 what vLLM 0.32 keeps under its default sparse retention: every prompt block
@@ -6,7 +6,7 @@ for full attention, only the trailing window at the prompt's last boundary for
 the sliding-window group, only the state at that boundary for Mamba.  It
 evicts blocks of one group at a time, resets its prefix cache and restarts.
 Its events go through the real decoder (kvevents.wire) and the index's batch
-apply, as the pool sends them.
+apply, as the pool sends them (the compiled index's runs through its core).
 """
 
 from __future__ import annotations
@@ -48,20 +48,24 @@ def _paths(seed: int) -> list[tuple[int, ...]]:
 
 
 class HybridEngines(RuleBasedStateMachine):
-    """Two pods serving one hybrid model; the reference index follows their events."""
+    """Two pods serving one hybrid model; the index (``backend``) follows their events."""
 
     compat = False
+    backend = "python"
+    shadowed = True  # held to the reference too (off in the mutation checks: the engine's truth must catch them)
 
     def __init__(self) -> None:
         super().__init__()
         algo = "vllm_sha256_cbor" if self.compat else "xxh3_chain"
         self.ix = Indexer(Config.from_dict({
             "token_processor_config": {"block_size": BS, "algorithm": algo},
-            "kv_block_index_config": {"backend": "python"},
+            "kv_block_index_config": {"backend": self.backend},
         }))
         self.tp = self.ix.token_processor
         self.index = self.ix.index
-        assert isinstance(self.index, KVBlockIndex)
+        assert isinstance(self.index, BACKENDS[self.backend]())
+        # another backend is also held to the reference, fed the same batches
+        self.shadow = KVBlockIndex(self.tp) if self.backend != "python" and self.shadowed else None
         self.paths = _paths(0)
         self.held: dict[str, dict[int, set[int]]] = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
 
@@ -82,6 +86,8 @@ class HybridEngines(RuleBasedStateMachine):
         assert not batch.bad_events
         r = self.index.apply_events(pod, 0, batch.events, kinds=KINDS)
         assert not r.errors, r.errors
+        if self.shadow is not None:
+            assert self.shadow.apply_events(pod, 0, batch.events, kinds=KINDS) == r
 
     def kept(self, group: GroupSpec, n_tokens: int) -> list[int]:
         """Blocks a group keeps of a prompt: all (full), the trailing window or the state at its boundary."""
@@ -137,7 +143,9 @@ class HybridEngines(RuleBasedStateMachine):
         n = hit.tokens // BS
         if not n:
             return
-        self.index.distrust_reports(pod, 0, model=None, seconds=3600)  # what the healing policy opens
+        for ix in (self.index, self.shadow):
+            if ix is not None:
+                ix.distrust_reports(pod, 0, model=None, seconds=3600)  # what the healing policy opens
         self.publish(pod, [
             stored_event(eks[:n], None, path[: n * BS], BS, group_idx=g.group_idx, kv_cache_spec_kind=g.kind,
                          kv_cache_spec_sliding_window=g.window)
@@ -163,7 +171,8 @@ class HybridEngines(RuleBasedStateMachine):
     def restart(self, pod: str) -> None:
         for h in self.held[pod].values():
             h.clear()
-        self.index.clear(pod, 0, model=None)  # what the pool does when the sequence restarts at 0
+        n = self.index.clear(pod, 0, model=None)  # what the pool does when the sequence restarts at 0
+        assert self.shadow is None or self.shadow.clear(pod, 0, model=None) == n
 
     # -- the properties
 
@@ -185,6 +194,19 @@ class HybridEngines(RuleBasedStateMachine):
                 if self.compat or g == 1:  # nothing is lost either (own-hash: sparse parents may be unknown)
                     universe = {ek for path in self.paths for ek in self.eks(path)}
                     assert claims[g] == self.held[pod][g] & universe, (pod, g)
+
+    @invariant()
+    def agrees_with_the_reference(self) -> None:
+        if self.shadow is None:
+            return
+        assert self.index.stats() == self.shadow.stats()
+        for pod in PODS:
+            assert self.index.group_specs(pod) == self.shadow.group_specs(pod)
+            assert self.index.grouped_ranks(pod) == self.shadow.grouped_ranks(pod)
+            for path in self.paths:
+                keys = self.tp.request_keys(path)
+                assert self.index.group_match(keys, pod) == self.shadow.group_match(keys, pod)
+                assert self.index.prefix_match(keys, [pod]) == self.shadow.prefix_match(keys, [pod])
 
     @invariant()
     def counts_its_group_entries(self) -> None:
@@ -216,28 +238,55 @@ class CompatEngines(HybridEngines):
     compat = True
 
 
+class NativeEngines(HybridEngines):
+    backend = "native"
+
+
+class NativeCompatEngines(HybridEngines):
+    compat = True
+    backend = "native"
+
+
+def _reference() -> type:
+    return KVBlockIndex
+
+
+def _native() -> type:
+    return pytest.importorskip("kvindex.native").NativeKVBlockIndex
+
+
+#: backend name -> its index class (the compiled one skips the test where it is not built)
+BACKENDS = {"python": _reference, "native": _native}
+
 SETTINGS = settings(max_examples=60, stateful_step_count=25)
 
 
-def test_own_hash_mode() -> None:
-    run_state_machine_as_test(HybridEngines, settings=SETTINGS)
+@pytest.mark.parametrize("machine", [HybridEngines, NativeEngines], ids=["python", "native"])
+def test_own_hash_mode(machine: type) -> None:
+    BACKENDS[machine.backend]()
+    run_state_machine_as_test(machine, settings=SETTINGS)
 
 
-def test_engine_hash_mode() -> None:
-    run_state_machine_as_test(CompatEngines, settings=SETTINGS)
+@pytest.mark.parametrize("machine", [CompatEngines, NativeCompatEngines], ids=["python", "native"])
+def test_engine_hash_mode(machine: type) -> None:
+    BACKENDS[machine.backend]()
+    run_state_machine_as_test(machine, settings=SETTINGS)
 
 
-def test_ignoring_group_idx_on_removal_breaks_the_property(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("machine", [CompatEngines, NativeCompatEngines], ids=["python", "native"])
+def test_ignoring_group_idx_on_removal_breaks_the_property(machine: type, monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutation check: a removal applied without its group (what a merged index does) is caught."""
-    original = KVBlockIndex.block_removed
+    cls = BACKENDS[machine.backend]()
+    original = cls.block_removed
 
     def merged(self, pod, dp_rank, engine_keys, tier, *, model=None, group_idx=None):
         return original(self, pod, dp_rank, engine_keys, tier, model=model)
 
-    monkeypatch.setattr(KVBlockIndex, "block_removed", merged)
+    monkeypatch.setattr(cls, "block_removed", merged)
+    monkeypatch.setattr(machine, "shadowed", False)
     with pytest.raises(AssertionError):
         run_state_machine_as_test(
-            CompatEngines,
+            machine,
             settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate],
                               derandomize=True),
         )
@@ -256,26 +305,51 @@ def test_believing_every_reannounced_block_breaks_the_property(monkeypatch: pyte
         )
 
 
-def test_only_the_reference_is_group_aware() -> None:
-    """The compiled backend merges groups for now: the write path keeps its calls as before."""
+@pytest.mark.parametrize("machine", [NativeCompatEngines, NativeEngines], ids=["engine-hash", "own-hash"])
+def test_the_core_merging_removals_breaks_the_property(machine: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check of the compiled batch path: a core told the stream keeps no groups takes every
+    removal (and clear) into the primary group's tables, and is caught."""
+    cls = BACKENDS[machine.backend]()
+    monkeypatch.setattr(cls, "_gate", lambda self, stream: ())
+    monkeypatch.setattr(machine, "shadowed", False)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(max_examples=200, stateful_step_count=25, database=None, phases=[Phase.generate],
+                              derandomize=True),
+        )
+
+
+def test_every_backend_keeps_groups() -> None:
+    """The reference, compiled and Redis backends keep KV-cache groups (the write path passes them)."""
+    from kvindex.redis_index import RedisKVBlockIndex
+
     assert isinstance(KVBlockIndex(), GroupAware)
-    native = pytest.importorskip("kvindex.native")
-    ix = native.NativeKVBlockIndex(TokenProcessor(BS))
-    assert not isinstance(ix, GroupAware)
+    assert issubclass(RedisKVBlockIndex, GroupAware)
+    ix = _native()(TokenProcessor(BS))
+    assert isinstance(ix, GroupAware)
     path = tuple(range(1, 9))
     eks = [engine_hash(path[:4]), engine_hash(path)]
     ev = [stored_event(eks, None, path, BS, group_idx=g, kv_cache_spec_kind=k) for g, k in
           ((0, "sliding_window"), (1, "full_attention"))]
     r = ix.apply_events("a", 0, decode_vllm_batch(batch_payload(ev)).events, kinds=KINDS)
-    assert not r.errors and ix.stats().entries == 2
+    assert not r.errors
+    assert (ix.stats().entries, ix.stats().group_entries) == (2, 2)  # full attention in the core, the window beside
+    keys = ix.token_processor.request_keys(path)
+    r = ix.apply_events("a", 0, decode_vllm_batch(batch_payload(
+        [removed_event(eks) | {"group_idx": 0}])).events, kinds=KINDS)
+    assert not r.errors and ix.stats().group_entries == 0
+    assert ix.prefix_match(keys)["a"] == [GPU_BIT, GPU_BIT]  # the sliding window's removal left full attention
+    assert ix.group_match(keys, "a") == {0: [0, 0], 1: [GPU_BIT, GPU_BIT]}
 
 
-def test_plain_model_unchanged() -> None:
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_plain_model_unchanged(backend: str) -> None:
     """group_idx absent or 0 with full attention: the main tables only, nothing per group."""
     path = tuple(range(1, 13))
     eks = [engine_hash(path[: (i + 1) * BS]) for i in range(3)]
     for extra in ({}, {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}):
-        ix = KVBlockIndex(TokenProcessor(BS))
+        ix = BACKENDS[backend]()(TokenProcessor(BS))
         batch = decode_vllm_batch(batch_payload([stored_event(eks, None, path, BS, **extra)]))
         ix.apply_events("a", 0, batch.events, kinds=KINDS)
         keys = TokenProcessor(BS).request_keys(path)
@@ -311,12 +385,14 @@ def test_sparse_stores_decode_and_are_kept_by_hash() -> None:
                       kv_cache_spec_sliding_window=8)])).events, kinds=KINDS).errors
     assert own.stats().group_unmapped == 1 and own.stats().group_entries == 0  # which chunk: unknown
 
-    native = pytest.importorskip("kvindex.native")
-    r = native.NativeKVBlockIndex(tp).apply_events("a", 0, batch.events, kinds=KINDS)
-    assert len(r.errors) == 2 and all("keeps no groups" in e for e in r.errors)
+    native = _native()(tp)  # the compiled index keeps them alike
+    assert not native.apply_events("a", 0, batch.events, kinds=KINDS).errors
+    assert native.group_match(eks, "a") == compat.group_match(eks, "a")
+    assert native.stats() == compat.stats()
 
 
-def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known() -> None:
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known(backend: str) -> None:
     """vLLM publishes group 0 first: a sliding-window block whose parent the full group stores next waits for it;
     a block removed while waiting is never claimed."""
     path = tuple(range(1, 13))
@@ -324,7 +400,7 @@ def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known() -> None:
     swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
     full = {"group_idx": 1, "kv_cache_spec_kind": "full_attention"}
     for removed in (False, True):
-        ix = KVBlockIndex(TokenProcessor(BS))
+        ix = BACKENDS[backend]()(TokenProcessor(BS))
         events = [stored_event(eks[1:], eks[0], path[4:], BS, **swa)]
         if removed:
             events.append(removed_event([eks[1]]) | {"group_idx": 0})
@@ -337,10 +413,11 @@ def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known() -> None:
         assert ix.stats().group_unmapped == 0
 
 
-def test_group_tables_are_bounded_by_the_capacity() -> None:
+@pytest.mark.parametrize("backend", ["python", "native"])
+def test_group_tables_are_bounded_by_the_capacity(backend: str) -> None:
     """Beyond the index's capacity the oldest non-primary entries are forgotten (never a false claim)."""
     tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
-    ix = KVBlockIndex(tp, capacity=4)
+    ix = BACKENDS[backend]()(tp, capacity=4)
     path = tuple(range(1, 25))
     eks = [int(k) for k in tp.request_keys(path)]
     ev = stored_event(eks, None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
@@ -379,6 +456,7 @@ class RedisHybridEngines(HybridEngines):
         self.held = {p: {g.group_idx: set() for g in GROUPS} for p in PODS}
         # the reference, fed the same batches, clears and report windows: the oracle of every group read
         self.ref = KVBlockIndex(self.tp)
+        self.shadow = None  # the base class's shadow: self.ref is this machine's (fed through the wrappers)
         for name in ("clear", "distrust_reports"):
             setattr(self.index, name, self._both(getattr(self.index, name), getattr(self.ref, name)))
 
@@ -509,3 +587,60 @@ def test_redis_group_tables_are_bounded_by_the_capacity(redis_url: str) -> None:
     ix.clear("a")
     assert ix.stats().group_entries == 0 and ix.group_specs("a") == {} and ix.grouped_ranks("a") == []
     ix.client.close()
+
+
+@pytest.mark.parametrize("algo", ["xxh3_chain", "vllm_sha256_cbor"])
+def test_the_compiled_read_path_bounds_hybrid_pods_only(algo: str) -> None:
+    """score() on the compiled backend (one-call token match) equals the reference's: a hybrid pod whose
+    sliding-window group lost its trailing blocks is cut to the rule's hit, a plain pod keeps its match."""
+    _native()
+    path = tuple(range(1, 6 * BS + 3))
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    full = {"group_idx": 1, "kv_cache_spec_kind": "full_attention"}
+    ixs = [Indexer(Config.from_dict({"token_processor_config": {"block_size": BS, "algorithm": algo},
+                                     "kv_block_index_config": {"backend": b}})) for b in ("python", "native")]
+    tp = ixs[0].token_processor
+    eks = [int(k) for k in tp.request_keys(path)] if algo != "xxh3_chain" else [
+        engine_hash(path[: (i + 1) * BS]) for i in range(6)]
+    batches = {
+        "hybrid": [stored_event(eks, None, path[: 6 * BS], BS, **full),
+                   stored_event(eks, None, path[: 6 * BS], BS, **swa),
+                   removed_event(eks[3:5]) | {"group_idx": 0}],
+        "plain": [stored_event(eks, None, path[: 6 * BS], BS)],
+    }
+    scores = []
+    for ix in ixs:
+        for pod, events in batches.items():
+            batch = decode_vllm_batch(batch_payload(events))
+            assert not ix.index.apply_events(pod, 0, batch.events, kinds=KINDS).errors
+        assert ix._token_match == (ix.index is ixs[1].index)  # the compiled backend reads in one call
+        scores.append(ix.score(list(path), ["hybrid", "plain"]))
+    ref, nat = scores
+    assert nat.prefix == ref.prefix and nat.pod == ref.pod
+    # the window (2 blocks) must end at a hit: blocks 3 and 4 are gone, so the hit ends after block 2 (12 tokens)
+    assert nat.predicted_cached_tokens("hybrid") == 3 * BS and nat.prefix["hybrid"].limited_by_group == 0
+    assert nat.prefix["hybrid"].hybrid and not nat.prefix["plain"].hybrid
+    assert nat.predicted_cached_tokens("plain") == 6 * BS
+
+
+def test_the_compiled_batch_apply_routes_odd_groups_as_the_reference() -> None:
+    """Events the core must leave to Python: a removal naming a negative or unknown group while no primary
+    group is known, a store without group_idx beside grouped ones, a clear of a grouped stream."""
+    path = tuple(range(1, 2 * BS + 1))
+    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
+    eks = [int(k) for k in tp.request_keys(path)]
+    swa = {"group_idx": 0, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 8}
+    batches = [
+        [BlockStored(tuple(eks), None, path, BS, GPU, **swa), BlockStored(tuple(eks), None, path, BS, GPU)],
+        [BlockRemoved((eks[0],), GPU, group_idx=-1), BlockRemoved((eks[1],), GPU, group_idx=5)],
+        [BlockStored(tuple(eks), None, path, BS, GPU, group_idx=1, kv_cache_spec_kind="full_attention"),
+         BlockRemoved((eks[1],), GPU, group_idx=1), BlockRemoved((eks[0],), GPU, group_idx=0)],
+        [AllBlocksCleared(), BlockStored(tuple(eks), None, path, BS, GPU, group_idx=1)],
+    ]
+    ref, nat = KVBlockIndex(tp), _native()(tp)
+    for events in batches:
+        assert nat.apply_events("a", 0, events, kinds=KINDS) == ref.apply_events("a", 0, events, kinds=KINDS)
+        assert nat.stats() == ref.stats()
+        assert nat.group_match(eks, "a") == ref.group_match(eks, "a")
+        assert nat.prefix_match(eks) == ref.prefix_match(eks)
+    assert nat.prefix_match(eks) == {"a": [GPU_BIT, GPU_BIT]}

@@ -35,6 +35,7 @@ from kvevents.misconfig import ConfigCheck
 from kvevents.pool import EventPool, PoolStats, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.contract import GroupAware, IndexStats, KVIndex, TokenMatch
+from kvindex.groups import GroupsMixin
 from kvindex.factory import make_index
 from kvindex.hybrid_score import bound_matches
 from kvindex.keys import TokenProcessor
@@ -213,6 +214,8 @@ class Indexer:
         self._token_match = isinstance(self.index, TokenMatch) and not getattr(
             self.token_processor, "hash_lookahead_tokens", 0)
         self._grouped = isinstance(self.index, GroupAware)  # hybrid models: matches bounded by the hit rule
+        # the shared group tables answer "no hybrid stream at all" in one call (a plain fleet's score skips the rule)
+        self._any_grouped = self.index.any_grouped if isinstance(self.index, GroupsMixin) else None
         self.truth = PredictionTruth()  # predicted vs engine-confirmed cached tokens (report_cached)
         self._truth_lock = threading.Lock()
         self.metrics = KVIndexMetrics(self, namespace=metrics_namespace)
@@ -487,7 +490,15 @@ class Indexer:
             tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
         if not len(keys):
             return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
-        return keys, self._prefix_from_summary(summary, len(keys), candidates), ranks
+        prefix = self._prefix_from_summary(summary, len(keys), candidates)
+        if self._grouped and summary and (self._any_grouped is None or self._any_grouped()):
+            # hybrid pods (their engines publish other KV-cache groups): matched again, bounded by the hit rule
+            hybrid = [p for p in summary if self.index.grouped_ranks(p, model=model)]  # type: ignore[attr-defined]
+            if hybrid:
+                prefix.update(self._match(keys, hybrid, len(tokens), model))
+                for p in hybrid:
+                    ranks.pop(p, None)  # its DP rank: of the bounded match (_choose asks best_dp_rank)
+        return keys, prefix, ranks
 
     def _match(
         self, keys: np.ndarray, candidates: list[str], prompt_tokens: int, model: str | None
@@ -499,7 +510,7 @@ class Indexer:
         """
         matches = self.index.prefix_match(keys, candidates) if len(keys) and candidates else {}
         limited: dict[str, int | None] = {}
-        if self._grouped and matches:
+        if self._grouped and matches and (self._any_grouped is None or self._any_grouped()):
             matches, limited = bound_matches(
                 self.index, matches, keys, self.token_processor.block_size, prompt_tokens, model)
         prefix = prefix_scores_from_matches(

@@ -3,8 +3,8 @@
 The package's two sliding-window hybrid engines (conftest: group 0 sliding
 window of 64 tokens, group 1 full attention, block size 32; pod-0 vLLM's
 default retention, pod-1 dense retention) publish KV events to an Indexer on
-the reference backend in engine-hash mode (``vllm_sha256_cbor``), as a router
-of a hybrid fleet runs it (docs/hybrid.md). The same multi-turn workload goes
+the default backend (the compiled core when it is built) in engine-hash mode
+(``vllm_sha256_cbor``), as a router of a hybrid fleet runs it (docs/hybrid.md). The same multi-turn workload goes
 to each pod: conversations sharing two system prompts, each turn the previous
 prompt plus the engine's own answer plus a new user message, one request at
 a time.
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import pytest
 
 from examples.vllm_fleet.fleet import Engine, VllmFleet
+from kvindex import accel
 from kvindex.facade import Config, Indexer
 from scorer.prefix import predicted_cached_tokens
 
@@ -105,18 +106,18 @@ def _workload(ix: Indexer, engine: Engine) -> list[Turn]:
 
 @pytest.fixture(scope="module")
 def turns(hybrid_fleet: VllmFleet) -> Iterator[list[Turn]]:
-    """The workload on each pod, with an Indexer (reference backend, engine hashes) started on empty caches."""
+    """The workload on each pod, with an Indexer (default backend, engine hashes) started on empty caches."""
     for e in hybrid_fleet:
         _until(lambda e=e: e.post_json("/reset_prefix_cache") == {"success": True}, f"{e.pod} reset")
     ix = Indexer(Config.from_dict({
         "model_name": hybrid_fleet[0].model_name,
         "token_processor_config": {"block_size": BLOCK, "algorithm": "vllm_sha256_cbor"},
-        "kv_block_index_config": {"backend": "python"},
         "kv_events_config": {"engines": [
             {"pod": e.pod, "endpoint": e.event_endpoint, "replay_endpoint": e.replay_endpoint, "model": e.model_name}
             for e in hybrid_fleet
         ]},
     })).start()
+    assert type(ix.index).__name__ == ("NativeKVBlockIndex" if accel.AVAILABLE else "KVBlockIndex")
     try:
         assert ix.flush(60.0)
         out = [t for e in hybrid_fleet for t in _workload(ix, e)]

@@ -7,7 +7,8 @@ attention; block size 32 for both), vLLM's default retention (the Mamba
 group keeps only the state blocks its hit rule can use: sparse events). The
 workload and the ground truth are test_hybrid_engines' (a multi-turn
 workload, one request at a time, the engine's ``vllm:prefix_cache_hits_total``
-per request); the Indexer runs the reference backend in engine-hash mode.
+per request); the Indexer runs the default backend (the compiled core when it
+is built) in engine-hash mode.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from examples.vllm_fleet.fleet import FleetEnv, VllmFleet
 from examples.vllm_fleet.hybrid_model import short_conv_variant
+from kvindex import accel
 from kvindex.facade import Config, Indexer
 from tests.real.conftest import running
 from tests.real.hybrid.test_hybrid_engines import BLOCK, Turn, _workload
@@ -45,11 +47,11 @@ def served(engine: VllmFleet) -> Iterator[tuple[list[Turn], Indexer]]:
     ix = Indexer(Config.from_dict({
         "model_name": e.model_name,
         "token_processor_config": {"block_size": BLOCK, "algorithm": "vllm_sha256_cbor"},
-        "kv_block_index_config": {"backend": "python"},
         "kv_events_config": {"engines": [
             {"pod": e.pod, "endpoint": e.event_endpoint, "replay_endpoint": e.replay_endpoint, "model": e.model_name}
         ]},
     })).start()
+    assert type(ix.index).__name__ == ("NativeKVBlockIndex" if accel.AVAILABLE else "KVBlockIndex")
     try:
         assert ix.flush(60.0)
         yield _workload(ix, e), ix
