@@ -4,8 +4,9 @@ Read path per request (``POST /v1/completions`` and ``POST /v1/chat/completions`
 
 1. Token ids. With ``tokenizer`` configured (the engines' model folder and
    chat-template flags), the router renders and tokenizes the request itself
-   with :class:`kvindex.tokenize.RequestTokenizer` (exactly as the engine will,
-   off the event loop); when the library says it cannot reproduce a request
+   with :class:`kvindex.tokenize.RequestTokenizer` (exactly as the engine will;
+   a conversation's next turn, which the multi-turn caches cover but for its
+   new tokens, on the event loop, anything else off it); when the library says it cannot reproduce a request
    exactly (e.g. multimodal content), or without ``tokenizer``, the prompt is
    rendered by asking an engine's ``POST /tokenize`` (vLLM 0.32,
    vllm/entrypoints/serve/tokenize/protocol.py): a completion's text prompt is
@@ -495,7 +496,8 @@ class Router:
 
     # -- read path
 
-    async def prompt_token_ids(self, path: str, body: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+    async def prompt_token_ids(self, path: str, body: Mapping[str, Any],
+                               raw: bytes | None = None) -> tuple[list[int] | None, str]:
         """The token ids the engine will see for a request body, and where they came from.
 
         Returns ``(ids, "token_ids")`` for a completion prompt given as ids (the
@@ -503,10 +505,14 @@ class Router:
         ``/tokenize`` rendered it (chat template applied for chat requests),
         ``(None, "none")`` when there is nothing to tokenize or no engine could;
         ``(ids, "local")`` when the router's tokenizer reproduced the request
-        exactly (tried first when configured).
+        exactly (tried first when configured: a conversation's next turn on the
+        event loop, as it costs about its new tokens, anything else off it).
+        ``raw``: the JSON text ``body`` was decoded from, if the caller has it.
         """
         if self.tokenizer is not None and not _ids_given(path, body):
-            local = await asyncio.to_thread(self.tokenizer.tokenize, path, dict(body))
+            local = self.tokenizer.tokenize_warm(path, body, raw=raw)
+            if local is None:
+                local = await asyncio.to_thread(self.tokenizer.tokenize, path, dict(body), raw=raw)
             if local.exact and local.token_ids:
                 self.m_local_tokenize.labels("exact").inc()
                 return local.token_ids, "local"
@@ -685,7 +691,7 @@ class Router:
             body = None
         if not isinstance(body, dict):
             body = {}  # forwarded unchanged; the engine reports the error
-        tokens, source = await self.prompt_token_ids(request.path, body)
+        tokens, source = await self.prompt_token_ids(request.path, body, raw)
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
             reads_cache=reads_prefix_cache(request.path, body),

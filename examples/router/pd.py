@@ -252,7 +252,7 @@ class PDRouter(Router):
             return web.json_response({"error": {"message": "body must be a JSON object", "code": 400}}, status=400)
         cid = conversation_id_of(request.headers, body)
         path = request.path
-        tokens, _source = await self.prompt_token_ids(path, body)
+        tokens, _source = await self.prompt_token_ids(path, body, raw)
         tokens = tokens or []
         chat = path.endswith("/chat/completions")
         salt = body.get("cache_salt")

@@ -26,6 +26,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvindex.tokenize.render_cache import Cold
+
 ANCHOR_CHARS = 256
 """A text is looked up by its first characters; shorter texts are encoded whole."""
 
@@ -91,14 +93,24 @@ class PrefixCache:
         """False when the tokenizer offers no safe cut point (every text is encoded whole)."""
         return bool(self._cuts)
 
-    def encode(self, text: str) -> tuple[list[int], int]:
-        """Return (ids of ``text`` without post-processing, how many came from the cache)."""
+    def encode(self, text: str, *, limit: int | None = None) -> tuple[list[int], int]:
+        """Return (ids of ``text`` without post-processing, how many came from the cache).
+
+        ``limit``: raise :class:`Cold` rather than encode more than ``limit``
+        characters of a text longer than that.
+        """
         if not self._cuts or len(text) < ANCHOR_CHARS:
+            if limit is not None and len(text) > limit:
+                raise Cold("the text is encoded whole")
             return self._backend.encode(text, add_special_tokens=False).ids, 0
         anchor = text[:ANCHOR_CHARS]
         with self._lock:
-            self.stats.lookups += 1
             best = self._best_cut(text, self._by_anchor.get(anchor, []))
+        if limit is not None and len(text) > limit and (
+                best is None or len(text) - best[0].cut_chars[best[1]] > limit):
+            raise Cold("no cached text covers all but the limit")
+        with self._lock:
+            self.stats.lookups += 1
         if best is None:
             ids, chars, toks = self._encode_from(text, 0)
             reused = 0
@@ -108,11 +120,13 @@ class PrefixCache:
             start, tok_at = entry.cut_chars[k], entry.cut_tokens[k]
             tail, chars, toks = self._encode_from(text, start)
             if not tail or tail[0] != entry.ids[tok_at]:  # not the expected token at the cut
+                if limit is not None and len(text) > limit:
+                    raise Cold("the text must be encoded whole")
                 ids, chars, toks = self._encode_from(text, 0)
                 reused, prefix_ids = 0, []
                 best = None
             else:
-                prefix_ids = entry.ids[:tok_at]
+                prefix_ids = entry.ids[:tok_at]  # the one copy of the reused ids
                 chars = entry.cut_chars[:k] + chars
                 toks = entry.cut_tokens[:k] + [t + tok_at for t in toks]
                 ids = tail
@@ -120,7 +134,11 @@ class PrefixCache:
                 with self._lock:
                     self.stats.hits += 1
                     self.stats.reused_tokens += reused
-        full = prefix_ids + ids
+        if prefix_ids:
+            prefix_ids.extend(ids)
+            full = prefix_ids
+        else:
+            full = ids
         self._store(anchor, _Entry(text, full, chars, toks), best[0] if best else None)
         return full, reused
 

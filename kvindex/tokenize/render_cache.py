@@ -11,8 +11,14 @@ head and tail are found once from two probe conversations (any split both
 agree on gives the same text: :func:`find_split`), and a conversation's next turn renders as the
 cached text of its previous messages plus the pieces of its new ones.
 
-The previous messages are matched by their JSON encoding (msgspec): the new
-request's encoding must start with the cached one's. Anything unproven (a
+The previous messages are matched by their JSON text: the new request's must
+start with the cached one's up to its last message, followed by a comma. The
+text is the request's own (``enc``: the bytes of its ``messages`` array as
+received, any formatting, no second encoding) or else msgspec's encoding of
+the decoded messages. Equal JSON bytes decode to equal values, and a JSON value
+ends where its bytes say, so an equal prefix of the text proves equal
+messages. With ``limit`` the call renders only a warm turn (:class:`Cold`
+otherwise), so that a caller can do it inline. Anything unproven (a
 template that is not message-local, kwargs that do not encode, an ambiguous
 split, developer messages, a render that raises) renders the whole
 conversation. tests/test_tokenize_render.py holds the result to a full render.
@@ -35,7 +41,13 @@ ANCHOR_BYTES = 256
 PROBES = ({"role": "user", "content": "kvindex probe one"},
           {"role": "assistant", "content": "the second probe"})
 
+JSON_SPACE = b" \t\r\n"
+
 Prepare = Callable[[list[Any]], list[dict[str, Any]]]
+
+
+class Cold(Exception):
+    """The request is not a warm turn within the caller's limit (see ``limit``)."""
 Apply = Callable[[list[dict[str, Any]]], str]
 
 
@@ -101,7 +113,7 @@ def _refers_outer(node: Any, outer: set[str], inner: set[str]) -> bool:
 
 @dataclass
 class _Entry:
-    enc: bytes  # msgspec JSON of the messages
+    enc: bytes  # JSON text of the messages
     n: int  # how many messages
     middle: str  # their pieces, concatenated
 
@@ -132,31 +144,41 @@ class RenderCache:
         self.stats = RenderStats()
 
     def render(self, messages: Any, template: str, fmt: str, kwargs: Mapping[str, Any],
-               prepare: Prepare, apply: Apply) -> str | None:
+               prepare: Prepare, apply: Apply, *, enc: bytes | None = None,
+               limit: int | None = None) -> str | None:
         """The template's text for ``messages`` (``apply(prepare(messages))``), or None: render it whole.
 
         ``prepare``: messages -> the conversation the template sees, message by
         message (no developer merging); ``apply``: conversation -> text with ``kwargs``.
+        ``enc``: the JSON text ``messages`` was decoded from (else encoded here).
+        ``limit``: raise :class:`Cold` instead of rendering more than ``limit``
+        bytes of new messages' JSON, or instead of returning None.
         """
         key = self._key(messages, template, fmt, kwargs)
         if key is None or not message_local(template):
-            return self._whole()
-        try:
-            enc = msgspec.json.encode(messages)
-        except (TypeError, msgspec.EncodeError):  # not JSON (a caller's own objects): no proof of a prefix
-            return self._whole()
+            return self._whole(limit)
+        if enc is None:
+            try:
+                enc = msgspec.json.encode(messages)
+            except (TypeError, msgspec.EncodeError):  # not JSON (a caller's own objects): no proof of a prefix
+                return self._whole(limit)
+        if limit is not None and key not in self._splits:
+            raise Cold("no split found yet for this template")
         split = self._split(key, prepare, apply)
         if split is None:
-            return self._whole()
+            return self._whole(limit)
         head, tail = split
         anchor = (key, enc[:ANCHOR_BYTES])
         with self._lock:
-            self.stats.lookups += 1
             entry = _longest_prefix(self._by_anchor.get(anchor, []), enc, len(messages))
+        if limit is not None and (entry is None or len(enc) - len(entry.enc) > limit):
+            raise Cold("no cached turn of this conversation, or too much new")
+        with self._lock:
+            self.stats.lookups += 1
         start = entry.n if entry is not None else 0
         middle = self._middle(messages[start:], split, prepare, apply) if start < len(messages) else ""
         if middle is None:
-            return self._whole()
+            return self._whole(limit)
         if entry is not None:
             middle = entry.middle + middle
             with self._lock:
@@ -175,7 +197,9 @@ class RenderCache:
         except (TypeError, msgspec.EncodeError):
             return None
 
-    def _whole(self) -> None:
+    def _whole(self, limit: int | None = None) -> None:
+        if limit is not None:
+            raise Cold("the conversation must be rendered whole")
         with self._lock:
             self.stats.full_renders += 1
         return None
@@ -231,13 +255,31 @@ class RenderCache:
 
 
 def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
-    """The cached entry with the most messages whose messages start ``enc``'s."""
+    """The cached entry with the most messages whose messages start ``enc``'s.
+
+    The entry's text up to the end of its last message (its closing bracket
+    and the JSON whitespace before it cut off) must start ``enc``, and be
+    followed in ``enc`` by JSON whitespace and a comma: then ``enc``'s first
+    messages are the entry's, byte for byte.
+    """
     best: _Entry | None = None
     for e in bucket:
         if e.n > n or (best is not None and e.n <= best.n):
             continue
-        cut = len(e.enc) - 1  # the encoding without its closing bracket
-        if enc == e.enc or (len(enc) > cut and enc[cut] == 0x2C and enc.startswith(e.enc[:cut])):
+        if enc == e.enc:
+            best = e
+            continue
+        cut = len(e.enc) - 1
+        while cut > 0 and e.enc[cut] in JSON_SPACE:
+            cut -= 1
+        while cut > 0 and e.enc[cut - 1] in JSON_SPACE:  # cut: the closing bracket, then the space before it
+            cut -= 1
+        if cut <= 1 or len(enc) <= cut or not enc.startswith(memoryview(e.enc)[:cut]):
+            continue
+        i = cut
+        while i < len(enc) and enc[i] in JSON_SPACE:
+            i += 1
+        if i < len(enc) and enc[i] == 0x2C:
             best = e
     return best
 

@@ -37,7 +37,7 @@ import msgspec
 from kvindex.tokenize import messages as msgs
 from kvindex.tokenize.messages import ContentFormat, Inexact
 from kvindex.tokenize.prefix_cache import CacheStats, PrefixCache
-from kvindex.tokenize.render_cache import RenderCache
+from kvindex.tokenize.render_cache import Cold, RenderCache
 
 CHAT_PATHS = ("/v1/chat/completions",)
 COMPLETION_PATHS = ("/v1/completions",)
@@ -63,6 +63,18 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     def token_ids(self) -> list[int]:
         """The first prompt's ids (the only one except for completion batches); [] when not exact."""
         return self.prompts[0] if self.prompts else []
+
+
+class _RawMessages(msgspec.Struct):
+    """A body's ``messages`` array as its JSON text (the other fields skipped)."""
+
+    messages: msgspec.Raw = msgspec.Raw(b"")
+
+
+_RAW_MESSAGES = msgspec.json.Decoder(_RawMessages)
+
+WARM_LIMIT = 16_384
+"""Bytes of new messages (JSON) and characters of new text :meth:`RequestTokenizer.tokenize_warm` takes on."""
 
 
 def _inexact(reason: str) -> TokenizedRequest:
@@ -142,24 +154,46 @@ class RequestTokenizer:
 
     # -- public entry points -------------------------------------------------
 
-    def tokenize(self, path: str, body: Any) -> TokenizedRequest:
-        """Tokenize a body sent to ``path`` (/v1/chat/completions, /v1/completions or /tokenize)."""
+    def tokenize(self, path: str, body: Any, *, raw: bytes | None = None) -> TokenizedRequest:
+        """Tokenize a body sent to ``path`` (/v1/chat/completions, /v1/completions or /tokenize).
+
+        ``raw``: the JSON text ``body`` was decoded from, when the caller has it
+        (the multi-turn cache then proves a conversation's earlier messages on
+        it instead of encoding them again); it must decode to ``body``.
+        """
         if not isinstance(body, Mapping):
             return _inexact("invalid request: the body is not a JSON object")
         try:
             if path in CHAT_PATHS:
-                return self._chat(body, is_tokenize=False)
+                return self._chat(body, is_tokenize=False, raw=raw)
             if path in COMPLETION_PATHS:
                 return self._completion(body)
             if path in TOKENIZE_PATHS:
                 if "messages" in body:
-                    return self._chat(body, is_tokenize=True)
+                    return self._chat(body, is_tokenize=True, raw=raw)
                 if not isinstance(body.get("prompt"), str):
                     raise Inexact("invalid request: /tokenize takes one text prompt")
                 return self._completion(body)
         except Inexact as e:
             return _inexact(str(e))
         return _inexact(f"unsupported path {path!r}")
+
+    def tokenize_warm(self, path: str, body: Any, *, raw: bytes | None = None,
+                      limit: int = WARM_LIMIT) -> TokenizedRequest | None:
+        """:meth:`tokenize`'s result for a conversation's next turn, or None when it is not one.
+
+        Not None only when both multi-turn caches hold the conversation's
+        previous turn and at most ``limit`` bytes of new messages (their JSON)
+        and ``limit`` characters of new text are left to render and encode: a
+        cost of about the new tokens plus a compare of the rest, short enough
+        to run on an event loop. None: call :meth:`tokenize` (off the loop).
+        """
+        if path not in CHAT_PATHS or not isinstance(body, Mapping) or self.cache is None or self.renders is None:
+            return None
+        try:
+            return self._chat(body, is_tokenize=False, raw=raw, limit=limit)
+        except (Cold, Inexact):
+            return None
 
     def chat(self, body: Mapping[str, Any]) -> TokenizedRequest:
         """Tokenize a /v1/chat/completions body."""
@@ -184,18 +218,24 @@ class RequestTokenizer:
 
     # -- chat ----------------------------------------------------------------
 
-    def _chat(self, body: Mapping[str, Any], *, is_tokenize: bool) -> TokenizedRequest:
+    def _chat(self, body: Mapping[str, Any], *, is_tokenize: bool, raw: bytes | None = None,
+              limit: int | None = None) -> TokenizedRequest:
+        """A chat body's ids; ``limit``: raise :class:`Cold` unless a warm turn (see :meth:`tokenize_warm`)."""
         _reject_unsupported(body)
+        if limit is not None and body.get("kv_transfer_params") is not None:
+            raise Cold("forwarded ids are checked off the loop")
         reused = _forwarded_ids(body, self._vocab) if not is_tokenize else None
         if reused is not None:
             return TokenizedRequest(prompts=[reused], exact=True)
-        text = self._chat_text(body, is_tokenize=is_tokenize)
         add_special = body.get("add_special_tokens", False)
+        if limit is not None and (add_special or self.cache is None):
+            raise Cold("no multi-turn cache for this request")
+        text = self._chat_text(body, is_tokenize=is_tokenize, raw=raw, limit=limit)
         if not isinstance(add_special, bool):
             raise Inexact("invalid request: add_special_tokens is not a boolean")
         if add_special or self.cache is None:
             return TokenizedRequest(prompts=[self.encode(text, add_special_tokens=add_special)], exact=True)
-        ids, reused_n = self.cache.encode(text)
+        ids, reused_n = self.cache.encode(text, limit=limit)
         return TokenizedRequest(prompts=[ids], exact=True, reused_tokens=reused_n)
 
     def _template_for(self, body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> str:
@@ -213,15 +253,19 @@ class RequestTokenizer:
         except ValueError as e:
             raise Inexact(f"no chat template: {e}") from None
 
-    def _chat_text(self, body: Mapping[str, Any], *, is_tokenize: bool) -> str:
+    def _chat_text(self, body: Mapping[str, Any], *, is_tokenize: bool, raw: bytes | None = None,
+                   limit: int | None = None) -> str:
         """The rendered text; only the new messages are rendered when the render cache proves the rest."""
         template, fmt, kwargs = self._chat_params(body, is_tokenize=is_tokenize)
         messages = body.get("messages")
         if self.renders is not None and not body.get("continue_final_message"):
             text = self.renders.render(messages, template, fmt, kwargs, lambda ms: msgs.conversation(ms, fmt),
-                                       lambda conv: self._apply_template(template, conv, kwargs))
+                                       lambda conv: self._apply_template(template, conv, kwargs),
+                                       enc=_messages_text(raw), limit=limit)
             if text is not None:
                 return text
+        if limit is not None:
+            raise Cold("the conversation must be rendered whole")
         conv = msgs.developer_as_system(msgs.conversation(messages, fmt), template)
         return self._apply_template(template, conv, kwargs)
 
@@ -292,6 +336,17 @@ def _apply_params(cls: type) -> frozenset[str]:
     sig = inspect.signature(getattr(cls, "apply_chat_template"))
     return frozenset(n for n, p in sig.parameters.items()
                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self")
+
+
+def _messages_text(raw: bytes | None) -> bytes | None:
+    """The JSON text of a raw body's ``messages`` array (None: no raw body, or none in it)."""
+    if raw is None:
+        return None
+    try:
+        text = bytes(_RAW_MESSAGES.decode(raw).messages)
+    except msgspec.DecodeError:
+        return None
+    return text if text.startswith(b"[") else None
 
 
 def _reject_unsupported(body: Mapping[str, Any]) -> None:
