@@ -413,11 +413,17 @@ def test_own_hash_mode_holds_a_group_store_until_its_parent_is_known(backend: st
         assert ix.stats().group_unmapped == 0
 
 
-@pytest.mark.parametrize("backend", ["python", "native"])
-def test_group_tables_are_bounded_by_the_capacity(backend: str) -> None:
-    """Beyond the index's capacity the oldest non-primary entries are forgotten (never a false claim)."""
+@pytest.mark.parametrize("backend", ["python", "native", "redis"])
+def test_group_tables_are_bounded_by_the_capacity(backend: str, request: pytest.FixtureRequest) -> None:
+    """Beyond the index's capacity the oldest non-primary entries are forgotten (never a false claim; on
+    Redis the count is shared and the evictions this process's); a clear forgets the groups."""
     tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
-    ix = BACKENDS[backend]()(tp, capacity=4)
+    if backend == "redis":
+        from kvindex.redis_index import RedisKVBlockIndex
+
+        ix = RedisKVBlockIndex(tp, url=request.getfixturevalue("redis_url"), capacity=4)
+    else:
+        ix = BACKENDS[backend]()(tp, capacity=4)
     path = tuple(range(1, 25))
     eks = [int(k) for k in tp.request_keys(path)]
     ev = stored_event(eks, None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
@@ -426,6 +432,10 @@ def test_group_tables_are_bounded_by_the_capacity(backend: str) -> None:
     st_ = ix.stats()
     assert (st_.group_entries, st_.group_evictions) == (4, 2)
     assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
+    ix.clear("a")
+    assert ix.stats().group_entries == 0 and ix.group_specs("a") == {} and ix.grouped_ranks("a") == []
+    if backend == "redis":
+        ix.client.close()
 
 
 # -- the Redis backend (kvindex.redis_groups): the same model engine on a real redis-server
@@ -567,26 +577,6 @@ def test_two_redis_indexes_agree_on_a_hybrid_stream(redis_url: str) -> None:
     agree({0: [0, g, 0, 0], 1: [g, g, g, 0], 2: [0, 0, g, 0]}, 0, 0)
     for ix in (writer, reader):
         ix.client.close()
-
-
-def test_redis_group_tables_are_bounded_by_the_capacity(redis_url: str) -> None:
-    """As the reference: beyond the capacity the oldest non-primary entries go (shared count, this process's
-    evictions)."""
-    from kvindex.redis_index import RedisKVBlockIndex
-
-    tp = TokenProcessor(BS, algorithm="vllm_sha256_cbor")
-    ix = RedisKVBlockIndex(tp, url=redis_url, capacity=4)
-    path = tuple(range(1, 25))
-    eks = [int(k) for k in tp.request_keys(path)]
-    ev = stored_event(eks, None, path, BS, group_idx=0, kv_cache_spec_kind="sliding_window",
-                      kv_cache_spec_sliding_window=8)
-    assert not ix.apply_events("a", 0, decode_vllm_batch(batch_payload([ev])).events, kinds=KINDS).errors
-    st_ = ix.stats()
-    assert (st_.group_entries, st_.group_evictions) == (4, 2)
-    assert ix.group_match(eks, "a")[0] == [0, 0] + [GPU_BIT] * 4  # the newest kept
-    ix.clear("a")
-    assert ix.stats().group_entries == 0 and ix.group_specs("a") == {} and ix.grouped_ranks("a") == []
-    ix.client.close()
 
 
 @pytest.mark.parametrize("algo", ["xxh3_chain", "vllm_sha256_cbor"])
