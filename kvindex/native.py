@@ -267,8 +267,7 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
         n = len(raw)
         i = 0
         with self._lock:
-            w = self._wscope.get(model)
-            mid, root = w if w is not None else self._write_scope(model)
+            mid, root = self._write_scope(model)
             K = self._k_bytes
             A = 0 if self._compat else self._A
             core = self._core

@@ -31,18 +31,15 @@ from typing import Any, NamedTuple
 
 from kvindex import redis_batch
 from kvindex.contract import IndexUnavailable
+from kvindex.groups import MAX_WAITING, Stream
 from kvindex.hybrid import GroupSpec
 from kvindex.redis_batch import BatchOps, check_group_tokens, group_head, is_sparse
 from kvindex.side_tables import _Orphan, checked_store
 
-__all__ = ["HYBRID_REFRESH", "MAX_WAITING", "RedisGroupsMixin"]
-
-Stream = tuple[str, int, "str | None"]  # (pod, DP rank, model): one publisher
+__all__ = ["HYBRID_REFRESH", "RedisGroupsMixin"]
 
 #: Seconds a process keeps its view of which streams are hybrid (read by score() for every matched pod).
 HYBRID_REFRESH = 1.0
-#: Non-primary stores held per publisher while their parent is unknown (own-hash mode), as the reference.
-MAX_WAITING = 64
 
 
 class _Waiting(NamedTuple):
