@@ -29,9 +29,9 @@ from kvevents.wire import decode_vllm_batch
 from kvindex.tiers import TIERS, tier_from_medium
 
 try:
-    from kvindex._native import read_raw_batch
+    from kvindex._native import decode_raw_payload, read_raw_batch
 except ImportError:  # no compiled core: nothing is decoded here
-    read_raw_batch = None
+    decode_raw_payload = read_raw_batch = None
 
 __all__ = ["FastBatch", "decode_fast"]
 
@@ -156,6 +156,11 @@ def decode_fast(payload: bytes) -> FastBatch | None:
     """
     if read_raw_batch is None:
         return None
+    if type(payload) is bytes:
+        # the usual shapes in one pass over the bytes; the rest (None) through msgspec below
+        got = decode_raw_payload(payload, _MEDIUM_BITS)
+        if got is not None:
+            return FastBatch(got[0], got[1], got[2], payload)
     for dec, (st, rm, cl) in _FORMS:
         try:
             b = dec.decode(payload)

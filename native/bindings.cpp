@@ -48,6 +48,9 @@ NB_MODULE(_native, m) {
           nb::arg("cleared_t"), nb::arg("medium_bits"),
           "kvevents.fastwire's events (Raw hashes and tokens) -> RawBatch, or None when one is not of the\n"
           "plain shape it reads (the caller then decodes the reference way).");
+    m.def("decode_raw_payload", &decode_raw_payload, nb::arg("payload"), nb::arg("medium_bits"),
+          "A vLLM payload of the plain shape -> (ts, dp_rank or None, RawBatch), read in one pass;\n"
+          "None for anything it does not read (kvevents.fastwire then decodes it with msgspec).");
 
     nb::class_<IndexCore>(m, "IndexCore")
         .def(nb::init<u64, bool>(), nb::arg("capacity"), nb::arg("compat"))

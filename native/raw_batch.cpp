@@ -66,20 +66,25 @@ inline bool read_one(const uint8_t*& p, const uint8_t* end, bool hashes, u64& ou
 }  // namespace
 
 bool read_msgpack_u64s(const uint8_t* p, const uint8_t* end, bool hashes, std::vector<u64>& out) {
-    if (p >= end) return false;
+    const uint8_t* q = read_msgpack_u64s_at(p, end, hashes, out);
+    return q != nullptr && q == end;
+}
+
+const uint8_t* read_msgpack_u64s_at(const uint8_t* p, const uint8_t* end, bool hashes, std::vector<u64>& out) {
+    if (p >= end) return nullptr;
     uint8_t b = *p++;
     size_t n;
     if ((b & 0xf0) == 0x90) {
         n = b & 0x0f;
     } else if (b == 0xdc || b == 0xdd) {
         size_t ln = b == 0xdc ? 2 : 4;
-        if ((size_t)(end - p) < ln) return false;
+        if ((size_t)(end - p) < ln) return nullptr;
         n = (size_t)be(p, ln);
         p += ln;
     } else {
-        return false;
+        return nullptr;
     }
-    if (n > (size_t)(end - p)) return false;  // every element takes at least one byte
+    if (n > (size_t)(end - p)) return nullptr;  // every element takes at least one byte
     size_t base = out.size();
     out.resize(base + n);
     u64* dst = out.data() + base;
@@ -102,10 +107,10 @@ bool read_msgpack_u64s(const uint8_t* p, const uint8_t* end, bool hashes, std::v
             dst[i] = __builtin_bswap64(v);
             p += 9;
         } else if (!read_one(p, end, hashes, dst[i])) {
-            return false;
+            return nullptr;
         }
     }
-    return p == end;
+    return p;
 }
 
 namespace {

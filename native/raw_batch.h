@@ -40,4 +40,12 @@ nb::object read_raw_batch(nb::handle events, nb::handle stored_t, nb::handle rem
 // tokens take ints in [0, 2**64) only.  False for anything else, or for bytes left over.
 bool read_msgpack_u64s(const uint8_t* p, const uint8_t* end, bool hashes, std::vector<u64>& out);
 
+// The same for the array at p followed by anything: returns the byte after it, nullptr on failure.
+const uint8_t* read_msgpack_u64s_at(const uint8_t* p, const uint8_t* end, bool hashes, std::vector<u64>& out);
+
+// The module function decode_raw_payload: a whole vLLM payload of the plain shape read here (the
+// subset of what kvevents.fastwire's msgspec structures take that this reader knows), as
+// (ts, dp_rank or None, RawBatch); None for anything else (the caller decodes it another way).
+nb::object decode_raw_payload(nb::bytes payload, nb::handle medium_bits);
+
 }  // namespace kvnative
