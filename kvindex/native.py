@@ -127,6 +127,7 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
             self._K = np.ascontiguousarray(tp._K, dtype=np.uint64)
             self._k_bytes = self._K.tobytes()
             self._A = tp._A
+        self._raw_a = 0 if self._compat else self._A  # apply_raw's A
         self._models: set[str | None] = set()
         # model name -> the core's 16-bit model id (0 = None); never reused
         self._model_ids: dict[str | None, int] = {None: 0}
@@ -262,20 +263,18 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
         size) and every event while orphans or speculative entries exist are
         applied from ``events()``, the reference decoding of the same batch.
         """
-        rank = dp_rank if type(dp_rank) is int and -(2**31) <= dp_rank < 2**31 else _rank(dp_rank)
+        rank = dp_rank if type(dp_rank) is int and -2147483648 <= dp_rank < 2147483648 else _rank(dp_rank)
         r = ApplyResult()
         n = len(raw)
         i = 0
         with self._lock:
-            mid, root = self._write_scope(model)
-            K = self._k_bytes
-            A = 0 if self._compat else self._A
+            w = self._wscope.get(model) or self._write_scope(model)
             core = self._core
             waiting = self._groups.waiting
             while i < n:
                 if self._orphans or self._spec or (waiting and (pod, rank, model) in waiting):
                     return apply_each(self, pod, rank, events(), model, kinds, i, r)
-                nxt = self._tally(r, model, core.apply_raw(pod, rank, mid, raw, i, root, K, A))
+                nxt = self._tally(r, model, core.apply_raw(pod, rank, w[0], raw, i, w[1], self._k_bytes, self._raw_a))
                 if nxt >= n:
                     break
                 apply_each(self, pod, rank, events()[nxt : nxt + 1], model, kinds, 0, r)

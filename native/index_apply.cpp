@@ -24,7 +24,7 @@ struct IndexCore::GroupGate {
 // What apply_events applied: events, blocks, removal hits and misses, clears, blocks per tier bit.
 struct IndexCore::BatchCounts {
     size_t st_ev = 0, st_blocks = 0, rm_ev = 0, rm_blocks = 0, hits = 0, misses = 0, clears = 0, clears_n = 0;
-    std::vector<u64> st_bits = std::vector<u64>(64, 0), rm_bits = std::vector<u64>(64, 0);
+    u64 st_bits[64] = {}, rm_bits[64] = {};
 };
 
 IndexCore::ApplyOut IndexCore::apply_events(
@@ -128,10 +128,13 @@ inline size_t IndexCore::apply_locked(const std::string& pod, int32_t rank, uint
 }
 
 inline IndexCore::ApplyOut IndexCore::apply_out(size_t next, BatchCounts& c) {
-    for (std::vector<u64>* v : {&c.st_bits, &c.rm_bits})
-        while (!v->empty() && v->back() == 0) v->pop_back();
+    auto upto_last = [](const u64* v) {
+        size_t n = 64;
+        while (n && v[n - 1] == 0) --n;
+        return std::vector<u64>(v, v + n);
+    };
     return {next, c.st_ev, c.st_blocks, c.rm_ev, c.rm_blocks, c.hits, c.misses, c.clears, c.clears_n,
-            std::move(c.st_bits), std::move(c.rm_bits)};
+            upto_last(c.st_bits), upto_last(c.rm_bits)};
 }
 
 inline void IndexCore::read_events(PyObject** items, size_t start, size_t n, nb::handle stored_t,

@@ -434,8 +434,10 @@ class IndexCore {
 
     // Map ek -> rk in stream st (and level 2); hd: the (pod, rank) holder of block bi, whose
     // engine key is ek, which carries the entries when it can.
-    // `absent`: the caller knows st has no entry for ek (skips the lookup).
-    inline void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent = false);
+    // `absent`: the caller knows st has no entry for ek (skips the lookup); `l2_absent`: it knows
+    // level 2 of mid has none either (skips that lookup too).
+    inline void link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent = false,
+                     bool l2_absent = false);
 
     // Record (pod, rank) holding rk as ek in tier bit (kvindex/index.py _put).
     void put(uint16_t ps, int32_t rank, uint16_t mid, u64 sid, u64 ek, u64 rk, u64 bit) {
@@ -446,7 +448,8 @@ class IndexCore {
     // (streams_ only loses elements in clear and at the end of a write call, so st stays valid).
     // The stream's entry for ek is looked up once: when absent, nothing below can add one before
     // link() (drop_copy is not called, evictions and the holder's engine-key change only remove
-    // entries of other keys), so link() skips its own lookup.
+    // entries of other keys), so link() skips its own lookup; the same holds for level 2's entry
+    // for ek when put_s looked it up and found none.
     void put_s(Stream& st, uint16_t ps, int32_t rank, uint16_t mid, u64 ek, u64 rk, u64 bit);
 
     // Clear `bit` (~0 = all) of (pod, rank)'s copy of rk; true if it held that tier.

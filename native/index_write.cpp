@@ -327,7 +327,8 @@ inline void IndexCore::unref_engine(u64 ek, uint16_t mid) {
     }
 }
 
-inline void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent) {
+inline void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Holder& hd, bool absent,
+                            bool l2_absent) {
     u64 cur = 0;
     bool has = !absent && s_find(st, ek, cur);
     if (!has || cur != rk) {
@@ -339,11 +340,14 @@ inline void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Ho
                 em = &engines_.back().second;
                 em->t.key() = HolderKey{&blocks_, &attrs_, mid, FLAG_L};
             }
-            if (EngineRef* v = em->x.find(ek)) {
+            EngineRef* v = nullptr;
+            u32 bj = NIL;
+            if (!l2_absent && (v = em->x.find(ek)) == nullptr) bj = em->t.find(ek);
+            if (v) {
                 if (v->rk != rk) s_detach_value(mid, ek, v->rk);
                 v->rk = rk;
                 v->refs += 1;
-            } else if (u32 bj = em->t.find(ek); bj != NIL) {
+            } else if (bj != NIL) {
                 if (blocks_[bj].rk != rk) s_detach_value(mid, ek, blocks_[bj].rk);
                 e_untake(*em, ek, bj);
                 EngineRef* e = em->x.emplace(ek).first;
@@ -371,8 +375,29 @@ inline void IndexCore::link(uint16_t mid, Stream& st, u64 ek, u64 rk, u32 bi, Ho
 }
 
 void IndexCore::put_s(Stream& st, uint16_t ps, int32_t rank, uint16_t mid, u64 ek, u64 rk, u64 bit) {
-    u64 old_rk;
-    bool absent = !s_find(st, ek, old_rk);
+    u64 old_rk = 0;
+    bool absent;
+    bool l2_absent = false;  // level 2 of mid has no entry for ek (link() then skips its lookups)
+    if (const u64* v = st.x.find(ek)) {
+        old_rk = *v;
+        absent = false;
+    } else if (compat_ || st.carried.empty()) {
+        absent = !s_find(st, ek, old_rk);
+    } else {
+        // s_carrier's lookup, done here so that its answer serves link() too
+        u32 b = NIL;
+        if (Engine* em = engine_map(mid)) {
+            if (const EngineRef* xv = em->x.find(ek)) {
+                b = rk_map_.find(xv->rk);
+            } else {
+                b = em->t.find(ek);
+                l2_absent = b == NIL;
+            }
+        }
+        const Holder* h = b == NIL ? nullptr : s_holder(st, b);
+        absent = !(h && h->ek == ek);
+        if (!absent) old_rk = blocks_[b].rk;
+    }
     if (!absent && old_rk != rk) drop_copy(ps, rank, ek, old_rk, ~0ULL);
     Found bip = rk_map_.find_ptr(rk);
     u32 bi;
@@ -401,7 +426,7 @@ void IndexCore::put_s(Stream& st, uint16_t ps, int32_t rank, uint16_t mid, u64 e
             hd.ek = ek;
         }
     }
-    link(mid, st, ek, rk, bi, b.hs[h], absent);
+    link(mid, st, ek, rk, bi, b.hs[h], absent, absent && l2_absent);
 }
 
 bool IndexCore::drop_copy(uint16_t ps, int32_t rank, u64 ek, u64 rk, u64 bit) {
