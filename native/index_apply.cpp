@@ -77,10 +77,17 @@ IndexCore::ApplyOut IndexCore::apply_raw(const std::string& pod, int32_t rank, u
     if (bs == 0) throw nb::value_error("empty K");
     BatchCounts c;
     size_t applied;
+    size_t n = rb.evs.size();
+    size_t blocks = 0;
+    for (size_t i = start; i < n; ++i) blocks += rb.evs[i].h_n;
     {
-        nb::gil_scoped_release nogil;
+        // a batch of a few blocks keeps the GIL (as reads of fewer than NOGIL_MIN_BLOCKS do): its
+        // apply takes microseconds, and giving the GIL up for it lets another writer thread take
+        // the GIL only to wait for this one's lock, then wait for the GIL again (a convoy that made
+        // two pool shards slower than one)
+        std::optional<nb::gil_scoped_release> nogil;
+        if (blocks >= NOGIL_MIN_BLOCKS) nogil.emplace();
         std::vector<BatchEvent> evs;
-        size_t n = rb.evs.size();
         evs.reserve(n > start ? n - start : 0);
         const u64* d = rb.data.data();
         for (size_t i = start; i < n; ++i) {

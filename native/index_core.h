@@ -90,7 +90,8 @@ class IndexCore {
 
     // apply_events for a RawBatch (kvevents/fastwire.py: the integers read from msgpack without
     // Python objects), from event `start`: the same checks, order, stops and answer; the GIL is
-    // released for the whole apply.
+    // released for the whole apply when the batch has NOGIL_MIN_BLOCKS blocks or more (a smaller
+    // one keeps it, as reads do).
     ApplyOut apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb, size_t start,
                        u64 root, nb::bytes K_b, u64 A);
 
