@@ -109,6 +109,8 @@ class _Shard(_Recovery):
                 if isinstance(item, RawMessage):
                     with self.pending_lock:
                         self.pending -= 1
+                    self._guarded(self._on_message, item)  # (what _handle does with a message)
+                    continue
                 self._guarded(self._handle, item)
         finally:
             self.replay.close()
