@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.client
 import json
 import os
@@ -171,6 +172,7 @@ def serve(role: str, tok_dir: Path, engine_port: int) -> None:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         for close in closers:
             await close()
+        gc.unfreeze()
 
     asyncio.run(main())
 

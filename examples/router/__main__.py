@@ -30,6 +30,7 @@ file's, and the other options given on the command line override it.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -166,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     async def after_start(_: web.Application) -> None:  # after the router's own start-up hook
         tune_gc()
 
+    async def at_cleanup(_: web.Application) -> None:
+        gc.unfreeze()
+
     app.on_startup.append(after_start)
+    app.on_cleanup.append(at_cleanup)
     try:
         web.run_app(app, host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
     except (RuntimeError, OSError) as e:  # e.g. no engine answered /v1/models, or the port is taken

@@ -26,6 +26,8 @@ def tune_gc(thresholds: tuple[int, int, int] = GC_THRESHOLDS) -> None:
     aiohttp). This collects once, moves the survivors to the permanent
     generation (:func:`gc.freeze`) and raises the thresholds. Process-wide:
     for a router's entry point (``python -m examples.router``), not a library.
+    Call :func:`gc.unfreeze` at shutdown, so that the frozen objects' cycles
+    are collected before the interpreter exits.
     """
     gc.collect()
     gc.freeze()
