@@ -140,6 +140,7 @@ class RenderCache:
         self._max_entries, self._max_chars = max_entries, max_chars
         self._splits: OrderedDict[tuple[str, str, bytes], tuple[str, str] | None] = OrderedDict()
         self._by_anchor: OrderedDict[tuple[Any, ...], list[_Entry]] = OrderedDict()
+        self._held = self._count = 0  # characters and entries in _by_anchor
         self._lock = threading.Lock()
         self.stats = RenderStats()
 
@@ -234,16 +235,18 @@ class RenderCache:
 
     def _store(self, anchor: tuple[Any, ...], entry: _Entry, replaced: _Entry | None) -> None:
         with self._lock:
-            bucket = [e for e in self._by_anchor.pop(anchor, []) if e is not replaced and e.enc != entry.enc]
+            before = self._by_anchor.pop(anchor, [])
+            bucket = [e for e in before if e is not replaced and e.enc != entry.enc]
             bucket.append(entry)
             del bucket[:-4]  # a few branches of one conversation
             self._by_anchor[anchor] = bucket
-            held = sum(len(e.middle) + len(e.enc) for b in self._by_anchor.values() for e in b)
-            count = sum(len(b) for b in self._by_anchor.values())
+            held = self._held - _chars(before) + _chars(bucket)  # running totals: no walk over every entry
+            count = self._count - len(before) + len(bucket)
             while self._by_anchor and (count > self._max_entries or held > self._max_chars):
                 _, old = self._by_anchor.popitem(last=False)
-                held -= sum(len(e.middle) + len(e.enc) for e in old)
+                held -= _chars(old)
                 count -= len(old)
+            self._held, self._count = held, count
             self.stats.entries, self.stats.chars_held = count, held
 
     def clear(self) -> None:
@@ -251,7 +254,13 @@ class RenderCache:
         with self._lock:
             self._by_anchor.clear()
             self._splits.clear()
+            self._held = self._count = 0
             self.stats.entries = self.stats.chars_held = 0
+
+
+def _chars(bucket: list[_Entry]) -> int:
+    """Characters a bucket of entries holds (their messages' JSON and rendered pieces)."""
+    return sum(len(e.middle) + len(e.enc) for e in bucket)
 
 
 def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
