@@ -149,6 +149,21 @@ PREDICTED_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32
 
 
 
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _decode_all_but_messages(raw: bytes) -> tuple[dict[str, Any], bytes] | None:
+    """A chat body's fields but ``messages``, decoded, and the messages' JSON text (None: not such a body)."""
+    try:
+        fields = _FIELDS.decode(raw)
+        enc = fields.pop("messages", None)
+        if enc is None:
+            return None
+        return {k: msgspec.json.decode(v) for k, v in fields.items()}, bytes(enc)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
     """A completion whose (first) prompt is token ids: used as is, nothing to tokenize."""
     prompt = body.get("prompt")
@@ -156,6 +171,15 @@ def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
         return False
     first = prompt[0] if isinstance(prompt[0], list) else prompt
     return bool(first) and all(type(t) is int for t in first)
+
+
+def _decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict ({} when it is not a JSON object: forwarded unchanged, the engine reports it)."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        body = None
+    return body if isinstance(body, dict) else {}
 
 
 # -- decisions -----------------------------------------------------------------
@@ -685,18 +709,19 @@ class Router:
         """Proxy ``/v1/completions`` and ``/v1/chat/completions`` to the chosen engine."""
         started = time.perf_counter()
         raw = await request.read()
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            body = None
-        if not isinstance(body, dict):
-            body = {}  # forwarded unchanged; the engine reports the error
-        tokens, source = await self.prompt_token_ids(request.path, body, raw)
+        warm = self._warm_turn(request.path, raw)
+        if warm is not None:  # a conversation's next turn, its earlier messages never decoded
+            body, tokens, source = *warm, "local"
+        else:
+            body = _decode_body(raw)
+            tokens, source = await self.prompt_token_ids(request.path, body, raw)
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
             reads_cache=reads_prefix_cache(request.path, body),
         )
-        if self.healing is not None and body and self.healing.wants_full_report(decision.pod, None, self.model):
+        if (self.healing is not None and (body or warm is not None)
+                and self.healing.wants_full_report(decision.pod, None, self.model)):
+            body = _decode_body(raw) if warm is not None else body
             healed = with_full_report(body)
             if healed is not body and isinstance(healed.get("vllm_xargs"), dict):
                 raw = msgspec.json.encode(healed)
@@ -710,6 +735,24 @@ class Router:
             return resp
         finally:
             self.finish(decision, status, started)
+
+    def _warm_turn(self, path: str, raw: bytes) -> tuple[dict[str, Any], list[int]] | None:
+        """(the body but its messages, token ids) of a chat request the multi-turn caches cover, else None.
+
+        What :meth:`prompt_token_ids` gives such a request, without decoding the
+        messages the caches prove byte for byte (:meth:`RequestTokenizer.tokenize_warm`).
+        """
+        tok = self.tokenizer
+        if tok is None or tok.renders is None or tok.cache is None or not path.endswith("/chat/completions"):
+            return None
+        split = _decode_all_but_messages(raw)
+        if split is None:
+            return None
+        local = tok.tokenize_warm(path, split[0], raw=raw, messages_json=split[1])
+        if local is None or not local.exact or not local.token_ids:
+            return None
+        self.m_local_tokenize.labels("exact").inc()
+        return split[0], local.token_ids
 
     def _decision_headers(self, decision: Decision) -> dict[str, str]:
         return {
