@@ -710,6 +710,7 @@ class Router:
         started = time.perf_counter()
         raw = await request.read()
         warm = self._warm_turn(request.path, raw)
+        tokens: list[int] | None
         if warm is not None:  # a conversation's next turn, its earlier messages never decoded
             body, tokens, source = *warm, "local"
         else:
