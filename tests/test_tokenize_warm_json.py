@@ -164,4 +164,38 @@ def test_a_next_turn_is_warm_from_its_json_text_in_the_router(model_dir: Path) -
         assert warm[0] == {"model": "m", "stream": True}
         assert warm[1] == oracle.chat(body).token_ids
     assert router._warm_turn(CHAT, b'{"model": "m", "messages": [1, 2') is None  # not JSON: the full path
+    good = json.dumps({"model": "m", "messages": conv + [{"role": "user", "content": "X"}], "stream": True}).encode()
+    assert router._warm_turn(CHAT, good) is not None
+    bad_new = good.replace(b'"X"', b'"\x80"')
+    assert b"\x80" in bad_new and router._warm_turn(CHAT, bad_new) is None  # invalid UTF-8 in a new message
+    bad_old = good.replace(b"answer 0", b"answer \x80")
+    assert b"\x80" in bad_old and router._warm_turn(CHAT, bad_old) is None  # in an earlier one: no proof
     assert router._warm_turn("/v1/completions", b'{"prompt": "x", "messages": []}') is None
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                    max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.dictionaries(st.sampled_from(["model", "messages", "stream", "x"]), JSON, max_size=4),
+       style=st.integers(0, 4), junk=st.binary(max_size=12), cut=st.integers(0, 200))
+def test_the_router_splits_a_body_as_the_whole_decode_reads_it(body, style, junk, cut) -> None:  # type: ignore[no-untyped-def]
+    from examples.router.bodies import decode_all_but_messages, decode_body
+
+    raw = _dump(body, style)
+    for data in (raw, raw[:cut] + junk + raw[cut:], junk):
+        split = decode_all_but_messages(data)
+        if split is None:
+            whole = decode_body(data)
+            assert "messages" not in whole or data != raw  # only an unreadable body, or one without messages
+            continue
+        rest, enc = split
+        whole = decode_body(data)
+        try:
+            decoded = msgspec.json.decode(enc)
+        except msgspec.DecodeError:  # e.g. invalid UTF-8 in a string: skipped, not checked, by the split
+            assert whole == {}  # the whole decode rejects the body; the warm path never decodes these bytes
+            continue
+        assert whole == {**rest, "messages": decoded}

@@ -78,6 +78,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.registry import Collector
 
 from examples.router.answers import answer_cached_tokens, relay_stream
+from examples.router.bodies import decode_all_but_messages, decode_body
 from examples.router.config import (
     EngineSpec,
     RouterConfig,
@@ -149,21 +150,6 @@ PREDICTED_BUCKETS = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32
 
 
 
-_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
-
-
-def _decode_all_but_messages(raw: bytes) -> tuple[dict[str, Any], bytes] | None:
-    """A chat body's fields but ``messages``, decoded, and the messages' JSON text (None: not such a body)."""
-    try:
-        fields = _FIELDS.decode(raw)
-        enc = fields.pop("messages", None)
-        if enc is None:
-            return None
-        return {k: msgspec.json.decode(v) for k, v in fields.items()}, bytes(enc)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-
-
 def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
     """A completion whose (first) prompt is token ids: used as is, nothing to tokenize."""
     prompt = body.get("prompt")
@@ -171,15 +157,6 @@ def _ids_given(path: str, body: Mapping[str, Any]) -> bool:
         return False
     first = prompt[0] if isinstance(prompt[0], list) else prompt
     return bool(first) and all(type(t) is int for t in first)
-
-
-def _decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a dict ({} when it is not a JSON object: forwarded unchanged, the engine reports it)."""
-    try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
-        body = None
-    return body if isinstance(body, dict) else {}
 
 
 # -- decisions -----------------------------------------------------------------
@@ -714,7 +691,7 @@ class Router:
         if warm is not None:  # a conversation's next turn, its earlier messages never decoded
             body, tokens, source = *warm, "local"
         else:
-            body = _decode_body(raw)
+            body = decode_body(raw)
             tokens, source = await self.prompt_token_ids(request.path, body, raw)
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
@@ -722,7 +699,7 @@ class Router:
         )
         if (self.healing is not None and (body or warm is not None)
                 and self.healing.wants_full_report(decision.pod, None, self.model)):
-            body = _decode_body(raw) if warm is not None else body
+            body = decode_body(raw) if warm is not None else body
             healed = with_full_report(body)
             if healed is not body and isinstance(healed.get("vllm_xargs"), dict):
                 raw = msgspec.json.encode(healed)
@@ -746,7 +723,7 @@ class Router:
         tok = self.tokenizer
         if tok is None or tok.renders is None or tok.cache is None or not path.endswith("/chat/completions"):
             return None
-        split = _decode_all_but_messages(raw)
+        split = decode_all_but_messages(raw)
         if split is None:
             return None
         local = tok.tokenize_warm(path, split[0], raw=raw, messages_json=split[1])
