@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.client
 import json
 import os
@@ -164,10 +165,14 @@ def serve(role: str, tok_dir: Path, engine_port: int) -> None:
             routers = await _serve_routers(engine_port, tok_dir)
             ports = {m: int(rr.url.rsplit(":", 1)[1]) for m, rr in routers.items()}
             closers = [lambda rr=rr: rr.__aexit__(None, None, None) for rr in routers.values()]
+            from examples.router.serve import tune_gc
+
+            tune_gc()  # as the router's entry point does (python -m examples.router)
         print(json.dumps(ports), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
         for close in closers:
             await close()
+        gc.unfreeze()
 
     asyncio.run(main())
 

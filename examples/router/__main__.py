@@ -30,6 +30,7 @@ file's, and the other options given on the command line override it.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 
@@ -37,7 +38,7 @@ import msgspec
 from aiohttp import web
 
 from examples.router.app import RouterConfig, load_router_config, parse_engine_arg
-from examples.router.serve import make_router
+from examples.router.serve import make_router, tune_gc
 
 
 def build_config(argv: list[str] | None = None) -> RouterConfig:
@@ -161,8 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for spec in config.engines:
         print(f"engine {spec.pod}: {spec.url} events {spec.endpoint} replay {spec.replay_endpoint}", file=sys.stderr)
+    app = router.app()
+
+    async def after_start(_: web.Application) -> None:  # after the router's own start-up hook
+        tune_gc()
+
+    async def at_cleanup(_: web.Application) -> None:
+        gc.unfreeze()
+
+    app.on_startup.append(after_start)
+    app.on_cleanup.append(at_cleanup)
     try:
-        web.run_app(router.app(), host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
+        web.run_app(app, host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
     except (RuntimeError, OSError) as e:  # e.g. no engine answered /v1/models, or the port is taken
         print(f"python -m examples.router: error: {e}", file=sys.stderr)
         return 2

@@ -78,6 +78,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.registry import Collector
 
 from examples.router.answers import answer_cached_tokens, relay_stream
+from examples.router.bodies import decode_all_but_messages, decode_body
 from examples.router.config import (
     EngineSpec,
     RouterConfig,
@@ -685,18 +686,20 @@ class Router:
         """Proxy ``/v1/completions`` and ``/v1/chat/completions`` to the chosen engine."""
         started = time.perf_counter()
         raw = await request.read()
-        try:
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError:
-            body = None
-        if not isinstance(body, dict):
-            body = {}  # forwarded unchanged; the engine reports the error
-        tokens, source = await self.prompt_token_ids(request.path, body, raw)
+        warm = self._warm_turn(request.path, raw)
+        tokens: list[int] | None
+        if warm is not None:  # a conversation's next turn, its earlier messages never decoded
+            body, tokens, source = *warm, "local"
+        else:
+            body = decode_body(raw)
+            tokens, source = await self.prompt_token_ids(request.path, body, raw)
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
             reads_cache=reads_prefix_cache(request.path, body),
         )
-        if self.healing is not None and body and self.healing.wants_full_report(decision.pod, None, self.model):
+        if (self.healing is not None and (body or warm is not None)
+                and self.healing.wants_full_report(decision.pod, None, self.model)):
+            body = decode_body(raw) if warm is not None else body
             healed = with_full_report(body)
             if healed is not body and isinstance(healed.get("vllm_xargs"), dict):
                 raw = msgspec.json.encode(healed)
@@ -710,6 +713,24 @@ class Router:
             return resp
         finally:
             self.finish(decision, status, started)
+
+    def _warm_turn(self, path: str, raw: bytes) -> tuple[dict[str, Any], list[int]] | None:
+        """(the body but its messages, token ids) of a chat request the multi-turn caches cover, else None.
+
+        What :meth:`prompt_token_ids` gives such a request, without decoding the
+        messages the caches prove byte for byte (:meth:`RequestTokenizer.tokenize_warm`).
+        """
+        tok = self.tokenizer
+        if tok is None or tok.renders is None or tok.cache is None or not path.endswith("/chat/completions"):
+            return None
+        split = decode_all_but_messages(raw)
+        if split is None:
+            return None
+        local = tok.tokenize_warm(path, split[0], raw=raw, messages_json=split[1])
+        if local is None or not local.exact or not local.token_ids:
+            return None
+        self.m_local_tokenize.labels("exact").inc()
+        return split[0], local.token_ids
 
     def _decision_headers(self, decision: Decision) -> dict[str, str]:
         return {

@@ -85,6 +85,7 @@ class PrefixCache:
         self._max_entries = max_entries
         self._max_tokens = max_tokens
         self._by_anchor: OrderedDict[str, list[_Entry]] = OrderedDict()
+        self._held = self._count = 0  # token ids and entries in _by_anchor
         self._lock = threading.Lock()
         self.stats = CacheStats(disabled_reason="" if self._cuts else "the tokenizer has no safe cut tokens")
 
@@ -187,27 +188,35 @@ class PrefixCache:
 
     def _store(self, anchor: str, entry: _Entry, replaced: _Entry | None) -> None:
         with self._lock:
-            bucket = self._by_anchor.pop(anchor, [])
+            before = bucket = self._by_anchor.pop(anchor, [])
             if replaced is not None and entry.text.startswith(replaced.text):
                 bucket = [e for e in bucket if e is not replaced]
             bucket = [e for e in bucket if e.text != entry.text]
             bucket.append(entry)
             del bucket[:-4]  # a few branches of one conversation (or conversations sharing a start)
             self._by_anchor[anchor] = bucket
+            self._held += _tokens(bucket) - _tokens(before)  # running totals: no walk over every entry
+            self._count += len(bucket) - len(before)
             self._evict()
 
     def _evict(self) -> None:
-        held = sum(len(e.ids) for b in self._by_anchor.values() for e in b)
-        count = sum(len(b) for b in self._by_anchor.values())
+        held, count = self._held, self._count
         while self._by_anchor and (count > self._max_entries or held > self._max_tokens):
             _, bucket = self._by_anchor.popitem(last=False)
-            held -= sum(len(e.ids) for e in bucket)
+            held -= _tokens(bucket)
             count -= len(bucket)
+        self._held, self._count = held, count
         self.stats.entries, self.stats.tokens_held = count, held
 
     def clear(self) -> None:
         """Forget every cached text."""
         with self._lock:
             self._by_anchor.clear()
+            self._held = self._count = 0
             self.stats.entries = self.stats.tokens_held = 0
+
+
+def _tokens(bucket: list[_Entry]) -> int:
+    """Token ids a bucket of entries holds."""
+    return sum(len(e.ids) for e in bucket)
 

@@ -26,6 +26,7 @@ conversation. tests/test_tokenize_render.py holds the result to a full render.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -140,6 +141,7 @@ class RenderCache:
         self._max_entries, self._max_chars = max_entries, max_chars
         self._splits: OrderedDict[tuple[str, str, bytes], tuple[str, str] | None] = OrderedDict()
         self._by_anchor: OrderedDict[tuple[Any, ...], list[_Entry]] = OrderedDict()
+        self._held = self._count = 0  # characters and entries in _by_anchor
         self._lock = threading.Lock()
         self.stats = RenderStats()
 
@@ -153,7 +155,13 @@ class RenderCache:
         ``enc``: the JSON text ``messages`` was decoded from (else encoded here).
         ``limit``: raise :class:`Cold` instead of rendering more than ``limit``
         bytes of new messages' JSON, or instead of returning None.
+        ``messages`` None (with ``enc`` and ``limit``): the caller did not decode
+        them; only a warm turn renders, decoding just its new messages from ``enc``.
         """
+        if messages is None:
+            if enc is None or limit is None:
+                raise ValueError("messages None needs their JSON text (enc) and a limit")
+            return self._render_warm_json(enc, template, fmt, kwargs, prepare, apply, limit)
         key = self._key(messages, template, fmt, kwargs)
         if key is None or not message_local(template):
             return self._whole(limit)
@@ -188,6 +196,45 @@ class RenderCache:
             self.stats.rendered_messages += len(messages) - start
         self._store(anchor, _Entry(enc, len(messages), middle), entry)
         return head + middle + tail
+
+    def _render_warm_json(self, enc: bytes, template: str, fmt: str, kwargs: Mapping[str, Any],
+                          prepare: Prepare, apply: Apply, limit: int) -> str:
+        """:meth:`render` of a warm turn given only its messages' JSON text (:class:`Cold` otherwise).
+
+        The cached entry proves the first messages byte for byte (as in
+        :meth:`render`); the rest of ``enc`` after the comma is decoded alone.
+        """
+        key = self._key([None], template, fmt, kwargs)  # the messages' part of the key: a non-empty list
+        if key is None or not message_local(template) or not enc.startswith(b"["):
+            raise Cold("the conversation must be rendered whole")
+        with self._lock:
+            split = self._splits.get(key)
+            anchor = (key, enc[:ANCHOR_BYTES])
+            entry = _longest_prefix(self._by_anchor.get(anchor, []), enc, sys.maxsize)
+        if split is None or entry is None or len(enc) - len(entry.enc) > limit:
+            raise Cold("no split or cached turn for this conversation, or too much new")
+        start = len(enc) if enc == entry.enc else _new_start(entry.enc, enc)
+        new: Any = []
+        if start is None:
+            raise Cold("no cached turn of this conversation")
+        if start < len(enc):
+            try:
+                new = msgspec.json.decode(b"[" + enc[start:])
+            except msgspec.DecodeError:
+                raise Cold("the new messages do not decode") from None
+            if not isinstance(new, list) or not new:
+                raise Cold("no new messages after the comma")
+        with self._lock:
+            self.stats.lookups += 1
+        middle = self._middle(new, split, prepare, apply) if new else ""
+        if middle is None:
+            raise Cold("the conversation must be rendered whole")
+        with self._lock:
+            self.stats.hits += 1
+            self.stats.reused_messages += entry.n
+            self.stats.rendered_messages += len(new)
+        self._store(anchor, _Entry(enc, entry.n + len(new), entry.middle + middle), entry)
+        return split[0] + entry.middle + middle + split[1]
 
     def _key(self, messages: Any, template: str, fmt: str, kwargs: Mapping[str, Any]) -> tuple[str, str, bytes] | None:
         if not isinstance(messages, list) or not messages:
@@ -234,16 +281,18 @@ class RenderCache:
 
     def _store(self, anchor: tuple[Any, ...], entry: _Entry, replaced: _Entry | None) -> None:
         with self._lock:
-            bucket = [e for e in self._by_anchor.pop(anchor, []) if e is not replaced and e.enc != entry.enc]
+            before = self._by_anchor.pop(anchor, [])
+            bucket = [e for e in before if e is not replaced and e.enc != entry.enc]
             bucket.append(entry)
             del bucket[:-4]  # a few branches of one conversation
             self._by_anchor[anchor] = bucket
-            held = sum(len(e.middle) + len(e.enc) for b in self._by_anchor.values() for e in b)
-            count = sum(len(b) for b in self._by_anchor.values())
+            held = self._held - _chars(before) + _chars(bucket)  # running totals: no walk over every entry
+            count = self._count - len(before) + len(bucket)
             while self._by_anchor and (count > self._max_entries or held > self._max_chars):
                 _, old = self._by_anchor.popitem(last=False)
-                held -= sum(len(e.middle) + len(e.enc) for e in old)
+                held -= _chars(old)
                 count -= len(old)
+            self._held, self._count = held, count
             self.stats.entries, self.stats.chars_held = count, held
 
     def clear(self) -> None:
@@ -251,7 +300,13 @@ class RenderCache:
         with self._lock:
             self._by_anchor.clear()
             self._splits.clear()
+            self._held = self._count = 0
             self.stats.entries = self.stats.chars_held = 0
+
+
+def _chars(bucket: list[_Entry]) -> int:
+    """Characters a bucket of entries holds (their messages' JSON and rendered pieces)."""
+    return sum(len(e.middle) + len(e.enc) for e in bucket)
 
 
 def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
@@ -266,22 +321,28 @@ def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
     for e in bucket:
         if e.n > n or (best is not None and e.n <= best.n):
             continue
-        if enc == e.enc:
-            best = e
-            continue
-        cut = len(e.enc) - 1
-        while cut > 0 and e.enc[cut] in JSON_SPACE:
-            cut -= 1
-        while cut > 0 and e.enc[cut - 1] in JSON_SPACE:  # cut: the closing bracket, then the space before it
-            cut -= 1
-        if cut <= 1 or len(enc) <= cut or not enc.startswith(memoryview(e.enc)[:cut]):
-            continue
-        i = cut
-        while i < len(enc) and enc[i] in JSON_SPACE:
-            i += 1
-        if i < len(enc) and enc[i] == 0x2C:
+        if enc == e.enc or _new_start(e.enc, enc) is not None:
             best = e
     return best
+
+
+def _new_start(cached: bytes, enc: bytes) -> int | None:
+    """Where ``enc``'s messages after ``cached``'s begin (just after the comma), or None.
+
+    ``cached``'s text up to the end of its last message must start ``enc``,
+    followed in ``enc`` by JSON whitespace and a comma (see :func:`_longest_prefix`).
+    """
+    cut = len(cached) - 1
+    while cut > 0 and cached[cut] in JSON_SPACE:
+        cut -= 1
+    while cut > 0 and cached[cut - 1] in JSON_SPACE:  # cut: the closing bracket, then the space before it
+        cut -= 1
+    if cut <= 1 or len(enc) <= cut or not enc.startswith(memoryview(cached)[:cut]):
+        return None
+    i = cut
+    while i < len(enc) and enc[i] in JSON_SPACE:
+        i += 1
+    return i + 1 if i < len(enc) and enc[i] == 0x2C else None
 
 
 def find_split(prepare: Prepare, apply: Apply) -> tuple[str, str] | None:

@@ -179,7 +179,7 @@ class RequestTokenizer:
         return _inexact(f"unsupported path {path!r}")
 
     def tokenize_warm(self, path: str, body: Any, *, raw: bytes | None = None,
-                      limit: int = WARM_LIMIT) -> TokenizedRequest | None:
+                      limit: int = WARM_LIMIT, messages_json: bytes | None = None) -> TokenizedRequest | None:
         """:meth:`tokenize`'s result for a conversation's next turn, or None when it is not one.
 
         Not None only when both multi-turn caches hold the conversation's
@@ -187,11 +187,16 @@ class RequestTokenizer:
         and ``limit`` characters of new text are left to render and encode: a
         cost of about the new tokens plus a compare of the rest, short enough
         to run on an event loop. None: call :meth:`tokenize` (off the loop).
+        ``messages_json``: the JSON text of the request's ``messages``, which
+        ``body`` then leaves out (every other field decoded): the caller need
+        not decode the messages, as only the new ones are.
         """
         if path not in CHAT_PATHS or not isinstance(body, Mapping) or self.cache is None or self.renders is None:
             return None
+        if messages_json is not None and "messages" in body:
+            raise ValueError("messages_json is for a body without its messages")
         try:
-            return self._chat(body, is_tokenize=False, raw=raw, limit=limit)
+            return self._chat(body, is_tokenize=False, raw=raw, limit=limit, messages_json=messages_json)
         except (Cold, Inexact):
             return None
 
@@ -219,7 +224,7 @@ class RequestTokenizer:
     # -- chat ----------------------------------------------------------------
 
     def _chat(self, body: Mapping[str, Any], *, is_tokenize: bool, raw: bytes | None = None,
-              limit: int | None = None) -> TokenizedRequest:
+              limit: int | None = None, messages_json: bytes | None = None) -> TokenizedRequest:
         """A chat body's ids; ``limit``: raise :class:`Cold` unless a warm turn (see :meth:`tokenize_warm`)."""
         _reject_unsupported(body)
         if limit is not None and body.get("kv_transfer_params") is not None:
@@ -230,7 +235,7 @@ class RequestTokenizer:
         add_special = body.get("add_special_tokens", False)
         if limit is not None and (add_special or self.cache is None):
             raise Cold("no multi-turn cache for this request")
-        text = self._chat_text(body, is_tokenize=is_tokenize, raw=raw, limit=limit)
+        text = self._chat_text(body, is_tokenize=is_tokenize, raw=raw, limit=limit, messages_json=messages_json)
         if not isinstance(add_special, bool):
             raise Inexact("invalid request: add_special_tokens is not a boolean")
         if add_special or self.cache is None:
@@ -254,14 +259,20 @@ class RequestTokenizer:
             raise Inexact(f"no chat template: {e}") from None
 
     def _chat_text(self, body: Mapping[str, Any], *, is_tokenize: bool, raw: bytes | None = None,
-                   limit: int | None = None) -> str:
-        """The rendered text; only the new messages are rendered when the render cache proves the rest."""
+                   limit: int | None = None, messages_json: bytes | None = None) -> str:
+        """The rendered text; only the new messages are rendered when the render cache proves the rest.
+
+        ``messages_json`` (with ``limit``): the messages' JSON text, not decoded into ``body``.
+        """
         template, fmt, kwargs = self._chat_params(body, is_tokenize=is_tokenize)
-        messages = body.get("messages")
+        messages = body.get("messages") if messages_json is None else None
+        if messages_json is not None and (limit is None or self.renders is None):
+            raise Cold("undecoded messages: warm turns only")
         if self.renders is not None and not body.get("continue_final_message"):
+            enc = messages_json if messages_json is not None else _messages_text(raw)
             text = self.renders.render(messages, template, fmt, kwargs, lambda ms: msgs.conversation(ms, fmt),
                                        lambda conv: self._apply_template(template, conv, kwargs),
-                                       enc=_messages_text(raw), limit=limit)
+                                       enc=enc, limit=limit)
             if text is not None:
                 return text
         if limit is not None:
