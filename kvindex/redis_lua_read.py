@@ -55,11 +55,38 @@ for j, p in ipairs(alive) do
   fields[j] = 'p:' .. p
   if held[p] or spec[p] then plain = false end
 end
-local got = {}
+local BP = P .. 'b:'
 local i = 0
+if plain then
+  -- no held or speculative entries among the candidates: masks only
+  local mt = {}
+  for j, p in ipairs(alive) do mt[j] = masks[p] end
+  local nf = #fields
+  while nf > 0 and i < nkeys do
+    i = i + 1
+    local vals
+    if nf == 1 then vals = {redis.call('HGET', BP .. K[i], fields[1])}
+    else vals = redis.call('HMGET', BP .. K[i], unpack(fields)) end
+    local miss = false
+    for j = 1, nf do
+      local m = vals[j]
+      if m then local t = mt[j]; t[#t + 1] = tonumber(m) else miss = true end
+    end
+    if miss then
+      local f2, m2 = {}, {}
+      for j = 1, nf do
+        if vals[j] then f2[#f2 + 1] = fields[j]; m2[#m2 + 1] = mt[j] end
+      end
+      fields, mt, nf = f2, m2, #f2
+    end
+    if nf > 0 then longest = i end
+  end
+  alive = {}
+end
+local got = {}
 while #alive > 0 and i < nkeys do
   i = i + 1
-  local vals = redis.call('HMGET', bkey(K[i]), unpack(fields))
+  local vals = redis.call('HMGET', BP .. K[i], unpack(fields))
   local na = #alive
   local hits = 0
   for j = 1, na do
