@@ -13,7 +13,8 @@ and is applied by the per-event method.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import struct
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvindex.contract import ApplyResult
@@ -23,7 +24,7 @@ from kvindex.side_tables import _Orphan, checked_store
 from kvindex.tiers import tier_bit
 
 __all__ = [
-    "BatchOps", "MAX_BATCH_BLOCKS", "bit_of", "check_group_tokens", "group_head", "is_sparse", "prepare",
+    "BatchOps", "MAX_BATCH_BLOCKS", "bit_of", "from_k8", "k8", "k8s", "check_group_tokens", "group_head", "is_sparse", "prepare",
     "removal_args", "store_op", "tally",
 ]
 
@@ -76,8 +77,45 @@ class _Index(Protocol):
     token_processor: TokenProcessor
 
 
-def _words(keys: Iterable[int]) -> str:
-    return " ".join(map(str, keys))
+_K8 = struct.Struct(">Q")
+_ESC = 0xFF << 56
+_M64 = (1 << 64) - 1
+
+
+def k8(key: int) -> bytes:
+    """A request or engine key as the scripts take and keep it (binary; docs/design.md, Redis layout).
+
+    A key in [0, 255 * 2**56): 8 bytes, big-endian; one in [255 * 2**56, 2**64) or [-2**63, 0) (negative
+    int64 hashes of old engines): byte 255, ``+`` or ``-``, the 8 bytes of ``key mod 2**64``.
+    ValueError outside [-2**63, 2**64).
+    """
+    if 0 <= key < _ESC:
+        return _K8.pack(key)
+    if -(1 << 63) <= key <= _M64:
+        return (b"\xff-" if key < 0 else b"\xff+") + _K8.pack(key & _M64)
+    raise ValueError(f"a key must be in [-2**63, 2**64), got {key!r}")
+
+
+def k8s(keys: Sequence[int]) -> bytes:
+    """Keys as one string (:func:`k8` each, concatenated)."""
+    try:
+        out = struct.pack(f">{len(keys)}Q", *keys)
+        if not keys or max(keys) < _ESC:
+            return out
+    except struct.error:
+        pass
+    return b"".join(map(k8, keys))
+
+
+def from_k8(b: bytes) -> int:
+    """The key of its binary form (:func:`k8`)."""
+    if len(b) == 8:
+        return int.from_bytes(b, "big")
+    v = int.from_bytes(b[2:], "big")
+    return v - (1 << 64) if b[1:2] == b"-" else v
+
+
+_words = k8s
 
 
 class BatchOps:
@@ -123,7 +161,7 @@ def _chained_op(
     if ix._compat or not eks:
         rks, pek, prk = eks, "", ""
         if group is not None and parent is not None:  # the parent decides the report-window trim only
-            pek, prk = parent, "*"
+            pek, prk = k8(parent), "*"
     else:
         prk_int: int | None = None
         if parent is not None:
@@ -133,7 +171,7 @@ def _chained_op(
             if prk_int is None:
                 return False
         rks = ix.token_processor.chain(prk_int, toks, model=model, lora=lora, block_extra_keys=extras).tolist()
-        pek, prk = ("", "") if parent is None else (parent, prk_int)
+        pek, prk = ("", "") if parent is None else (k8(parent), k8(prk_int))  # type: ignore[arg-type]
         ops.local.update(zip(eks, rks))
     tail_ = (eks[-1], rks[-1]) if eks else None
     if group is None:

@@ -18,7 +18,35 @@ import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["RedisLink", "redacted_url"]
+__all__ = ["LAYOUT", "LayoutMismatch", "RedisLink", "layout_error", "redacted_url"]
+
+#: Version of the Redis index's data layout, kept in its key ``layout`` (version 1 had no such key).
+LAYOUT = b"2"
+
+
+class LayoutMismatch(RuntimeError):
+    """The server holds the index's prefix in another data layout (an older or newer kvindex wrote it).
+
+    Raised by every call of :class:`kvindex.redis_index.RedisKVBlockIndex` until the keys are deleted
+    (its ``drop_all()``, or by hand) or another ``key_prefix`` is used: two layouts would misread each other.
+    """
+
+
+def layout_error(client: Any, prefix: str, url: str) -> LayoutMismatch | None:
+    """Check the layout of the index under ``prefix`` (marking a fresh one as :data:`LAYOUT`); the error or None.
+
+    The index writes ``layout`` before its ``epoch`` key, so an ``epoch`` without ``layout`` is version 1.
+    """
+    had_epoch = client.exists(prefix + "epoch")
+    cur = client.get(prefix + "layout")
+    if cur is None and not had_epoch:
+        cur = client.set(prefix + "layout", LAYOUT, nx=True, get=True) or LAYOUT
+    if cur == LAYOUT:
+        return None
+    return LayoutMismatch(
+        f"Redis at {url} holds the kvindex index {prefix!r} in layout {(cur or b'1').decode(errors='replace')}, "
+        f"this kvindex reads layout {LAYOUT.decode()}: delete its keys (RedisKVBlockIndex.drop_all()) and let "
+        "the routers rebuild it from the engines' replay buffers, or use another key_prefix")
 
 log = logging.getLogger("kvindex.redis")
 

@@ -33,7 +33,7 @@ from kvindex import redis_batch
 from kvindex.contract import IndexUnavailable
 from kvindex.groups import MAX_WAITING, Stream
 from kvindex.hybrid import GroupSpec
-from kvindex.redis_batch import BatchOps, check_group_tokens, group_head, is_sparse
+from kvindex.redis_batch import BatchOps, check_group_tokens, from_k8, group_head, is_sparse, k8, k8s
 from kvindex.side_tables import _Orphan, checked_store
 
 __all__ = ["HYBRID_REFRESH", "RedisGroupsMixin"]
@@ -53,8 +53,7 @@ class _Waiting(NamedTuple):
     gone: set[int]  # engine keys a BlockRemoved took away while waiting
 
 
-def _words(keys: Sequence[int]) -> str:
-    return " ".join(map(str, keys))
+_words = k8s
 
 
 def _spec(g: int, value: bytes) -> GroupSpec:
@@ -116,7 +115,7 @@ class RedisGroupsMixin:
                 checked_store(self.block_size, len(eks), token_ids, block_size, extra_keys, lora_name)
             else:
                 check_group_tokens(self.block_size, len(eks), len(token_ids), block_size)
-            pek, star = ("", "") if parent is None else (parent, "*")
+            pek, star = ("", "") if parent is None else (k8(parent), "*")
             ops.tokens = full  # a full-attention group: the main tables, likely (the models seen)
             ops.add(0, (*head, "S", bit, pek, star, _words(eks), _words(eks)), len(eks), grouped=True)
             return self._send(pod, rank, mid, model, ops)[1]
@@ -124,8 +123,9 @@ class RedisGroupsMixin:
         main, prk = 0, None
         if full or parent is not None:  # learn the route (and resolve the parent) before chaining
             main, got, hybrid = self._run("glearn", pod, rank, mid, group.group_idx, head[2], head[3],
-                                          "" if parent is None else parent, self._compat_arg, write=True, model=model)
-            prk = int(got) if got else None
+                                          "" if parent is None else k8(parent), self._compat_arg, write=True,
+                                          model=model)
+            prk = from_k8(got) if got else None
             if hybrid:
                 self._hybrid = None  # which streams are hybrid: read again
         stream = (pod, rank, model)
@@ -139,7 +139,7 @@ class RedisGroupsMixin:
             self._wait(stream, _Waiting(group, parent, eks, token_ids, bit, extras, lora, set()))
             return 0
         rks = self.token_processor.chain(prk, token_ids, model=model, lora=lora, block_extra_keys=extras).tolist()
-        pek, prk_arg = ("", "") if parent is None else (parent, "*")
+        pek, prk_arg = ("", "") if parent is None else (k8(parent), "*")
         ops.add(0, (*head, "S", bit, pek, prk_arg, _words(eks), _words(rks)), len(eks), grouped=True)
         return self._send(pod, rank, mid, model, ops)[1]
 
@@ -160,15 +160,16 @@ class RedisGroupsMixin:
             for item in list(waiting):
                 head = group_head(item.group)
                 _main, prk, _hybrid = self._run("glearn", pod, rank, mid, item.group.group_idx, head[2],
-                                                head[3], item.parent, self._compat_arg, write=True, model=model)
+                                                head[3], k8(item.parent), self._compat_arg, write=True,
+                                                model=model)
                 if not prk:
                     continue
                 waiting.remove(item)
-                rks = self.token_processor.chain(int(prk), item.token_ids, model=model, lora=item.lora,
+                rks = self.token_processor.chain(from_k8(prk), item.token_ids, model=model, lora=item.lora,
                                                  block_extra_keys=item.extras).tolist()
                 pairs = [(ek, rk) for ek, rk in zip(item.eks, rks) if ek not in item.gone]
                 ops = BatchOps()
-                ops.add(0, (*head, "S", item.bit, item.parent, "*", _words([p[0] for p in pairs]),
+                ops.add(0, (*head, "S", item.bit, k8(item.parent), "*", _words([p[0] for p in pairs]),
                             _words([p[1] for p in pairs])), len(pairs), grouped=True)
                 self._send(pod, rank, mid, model, ops)
                 progress = True

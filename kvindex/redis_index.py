@@ -13,16 +13,19 @@ Data layout
 Every key starts with ``key_prefix`` (default ``kvindex:{default}:``; the
 braces are a hash tag, so on a Redis Cluster all keys share one slot and the
 scripts stay valid there).  ``<rk>`` / ``<ek>`` are request / engine keys in
-decimal, ``<mid>`` a model id (0 = no model; names in ``mids`` / ``mnames``),
-``<mask>`` a tier bit mask (:mod:`kvindex.tiers`).
+binary (:func:`kvindex.redis_batch.k8`: 8 bytes, 10 for a few), ``<mid>`` a
+model id (0 = no model; names in ``mids`` / ``mnames``), ``<mask>`` a tier bit
+mask (:mod:`kvindex.tiers`).  Layout version 2, marked by the key ``layout``;
+another version under the prefix raises :class:`LayoutMismatch` (see
+docs/operations.md, "Layout versions").
 
 =====================  ======  ===============================================
 key                    type    content
 =====================  ======  ===============================================
 ``b:<rk>``             hash    level 1: ``r:<rank>:<pod>`` ->
-                               ``<mask>:<ek>:<mid>`` per DP rank holding it
-``pm:<pod>``           hash    the read path's view: ``<rk>`` -> the pod's
-                               mask (OR over its DP ranks)
+                               ``<mask>:<mid>:<ek>`` per DP rank holding it;
+                               the read path's view: ``p:<pod>`` -> the
+                               pod's mask (OR over its DP ranks)
 ``e:<mid>``            hash    level 2: ``<ek>`` -> ``<rk>:<holders>`` (number
                                of (pod, rank) streams holding it)
 ``s:<mid>:<rank>:<pod>`` hash  one publisher stream: ``<ek>`` -> ``<rk>``
@@ -44,9 +47,9 @@ key                    type    content
 
 Round trips: every operation is ONE server-side Lua script (EVALSHA; see
 :mod:`kvindex.redis_lua`), run atomically: a prefix match over N request keys
-for every candidate pod (per pod, HMGETs of ``pm:<pod>`` in chunks of 64,
-128, ... keys until its first miss; then the LRU refresh of the longest
-match in one ZADD per 256 keys), a removal, a clear, a lookup.  A decoded
+for every candidate pod (per key, one HMGET of the ``p:<pod>`` fields of
+``b:<rk>`` for the pods still matching, until each has missed once; then
+the LRU refresh of the longest match in one ZADD per 256 keys), a removal, a clear, a lookup.  A decoded
 batch (:meth:`apply_events`, the write path's call) is one script per run of
 up to 1,024 blocks (:mod:`kvindex.redis_batch`): the request keys are chained
 in Python from the parent's, known here when the parent is the stream's last
@@ -109,22 +112,23 @@ from typing import TYPE_CHECKING, Any
 
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
 from kvindex.hybrid import GroupSpec
-from kvindex.redis_batch import BatchOps, bit_of as _bit, prepare, store_op, tally
+from kvindex.redis_batch import BatchOps, bit_of as _bit, from_k8, k8, k8s, prepare, store_op, tally
 from kvindex.redis_groups import RedisGroupsMixin
 from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
 from kvindex.keys import TokenProcessor
 from kvindex.contract import IndexUnavailable
-from kvindex.redis_conn import RedisLink
+from kvindex.redis_conn import LAYOUT, LayoutMismatch, RedisLink, layout_error
 from kvindex.redis_lua import SCRIPTS
 from kvindex.tiers import GPU, tier_names
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["RedisKVBlockIndex", "DEFAULT_KEY_PREFIX"]
+__all__ = ["RedisKVBlockIndex", "DEFAULT_KEY_PREFIX", "LAYOUT", "LayoutMismatch"]
 
 #: Key prefix of the index when none is given.
 DEFAULT_KEY_PREFIX = "kvindex:{default}:"
+
 
 _GPU_BIT = _bit(GPU)
 
@@ -202,6 +206,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         #: incremented each time this process finds the shared index lost its data (see :meth:`_check_epoch`)
         self.generation = 0
         self._epoch: bytes | None = None
+        self._layout_error: LayoutMismatch | None = None
         self._next_epoch_check = 0.0
         self._init_side_tables()
         #: (pod, rank, model) -> (engine key, request key) of the stream's last stored block: the likely
@@ -242,6 +247,8 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         the server cannot be reached or fails (both counted).
         """
         now = time.monotonic()
+        if self._layout_error is not None:
+            raise self._layout_error
         if self.link.down():
             return self._failed(write, None)
         try:
@@ -281,6 +288,9 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         at most once per second and after every error (one GET/SET).
         """
         self._next_epoch_check = time.monotonic() + 1.0
+        self._layout_error = layout_error(self.client, self.key_prefix, self.link.url)
+        if self._layout_error is not None:
+            raise self._layout_error
         old = self.client.set(self.key_prefix + "epoch", uuid.uuid4().hex, nx=True, get=True)
         cur = old if old is not None else self.client.get(self.key_prefix + "epoch")
         if self._epoch is not None and cur != self._epoch:
@@ -346,8 +356,8 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
     ) -> int:
         args: list[Any] = [pod, rank, mid, bit, self.capacity, self._compat_arg]
         for ek, rk in zip(eks, rks):
-            args.append(int(ek))
-            args.append(int(rk))
+            args.append(k8(int(ek)))
+            args.append(k8(int(rk)))
         stored, evictions, confirmed = self._run("store", *args, write=True, model=model)
         self._c["stored_blocks"] += stored
         self._c["evictions"] += evictions
@@ -390,7 +400,8 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
             if token_ids is None or len(token_ids) == 0:
                 mid = self._mid(model, create=True)
                 stored, evictions, confirmed, unknown = self._run(
-                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *eks, write=True, model=model
+                    "tokenless", pod, rank, mid, bit, self.capacity, self._compat_arg, *map(k8, eks), write=True,
+                    model=model,
                 )
                 self._c["stored_blocks"] += stored
                 self._c["evictions"] += evictions
@@ -428,11 +439,11 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
                     done, stored, _h, _r = self._send(pod, rank, mid, model, ops)
                     if done:
                         return stored
-            parent = self._run("resolve", pod, rank, mid, int(parent_engine_key), write=True, model=model)
+            parent = self._run("resolve", pod, rank, mid, k8(int(parent_engine_key)), write=True, model=model)
             if parent is None:
                 self._add_orphan(int(parent_engine_key), item)
                 return 0
-            return self._attach(item, int(parent))
+            return self._attach(item, from_k8(parent))
 
     def _attach(self, item: _Orphan, parent_rk: int | None) -> int:
         """Store ``item`` under ``parent_rk``, then every orphan it releases."""
@@ -556,7 +567,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
             if group_idx is not None and keys:
                 return self._remove_group(pod, rank, mid, model, keys, bit, group_idx)  # type: ignore[arg-type]
             hits = (
-                self._run("remove", pod, rank, mid, bit, self._compat_arg, *keys, write=True, model=model)
+                self._run("remove", pod, rank, mid, bit, self._compat_arg, *map(k8, keys), write=True, model=model)
                 if keys else []
             )
             removed = 0
@@ -618,7 +629,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
             e = self._clock() + ttl
             now, expiry, keep = repr(e - ttl), repr(e), 0
         try:
-            expired = self._run("speculative", pod, now, repr(float(ttl)), expiry, keep, *keys, write=True)
+            expired = self._run("speculative", pod, now, repr(float(ttl)), expiry, keep, *map(k8, keys), write=True)
         except IndexUnavailable:
             return
         self._c["speculative_expired"] += int(expired)
@@ -632,7 +643,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         if not keys:
             return
         keep = 0 if self.held_ttl is None else int(self.held_ttl * 1000)
-        self._run("add_held", pod, _bit(tier), keep, *keys, write=True)
+        self._run("add_held", pod, _bit(tier), keep, *map(k8, keys), write=True)
 
     def remove_held(self, pod: str, request_keys: Iterable[int], tier: str) -> int:
         """Undo one :meth:`add_held`; returns the entries that ended.
@@ -642,7 +653,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         keys = _ints(request_keys)
         if not keys:
             return 0
-        return int(self._run("remove_held", pod, _bit(tier), *keys, write=True))
+        return int(self._run("remove_held", pod, _bit(tier), *map(k8, keys), write=True))
 
     # ------------------------------------------------------------------- read
 
@@ -656,7 +667,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         """
         if len(request_keys) == 0:
             return {}
-        keys = " ".join(map(str, _ints(request_keys)))
+        keys = k8s(_ints(request_keys))
         pod_args: list[str] = [-1] if pods is None else [len(pods), *pods]  # type: ignore[list-item]
         res = self._run("match", self._now_args(), _GPU_BIT, 1, *pod_args, keys, write=False)
         if res is None:
@@ -676,7 +687,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         keys = _ints(request_keys)
         if not keys:
             return []
-        res = self._run("lookup", self._now_args(), *keys, write=False)
+        res = self._run("lookup", self._now_args(), *map(k8, keys), write=False)
         if res is None:
             return [() for _ in keys]
         self._c["speculative_expired"] += int(res[0])
@@ -698,7 +709,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         keys = _ints(request_keys)
         if not keys:
             return None
-        res = self._run("best_rank", pod, " ".join(map(str, keys)), write=False)
+        res = self._run("best_rank", pod, k8s(keys), write=False)
         return None if res is None else int(res)
 
     def request_key_of(self, engine_key: int, model: Any = ALL_MODELS) -> int | None:
@@ -710,8 +721,8 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
             if mid is None:
                 return None
             mid_arg = str(mid)
-        res = self._run("request_key_of", mid_arg, self._compat_arg, int(engine_key), write=False)
-        return None if res is None else int(res)
+        res = self._run("request_key_of", mid_arg, self._compat_arg, k8(int(engine_key)), write=False)
+        return None if res is None else from_k8(res)
 
     def pods(self) -> frozenset[str]:
         """Pods holding at least one block (real, held or speculative); empty when Redis is unreachable."""
@@ -723,7 +734,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
     def pod_keys(self, pod: str, dp_rank: int | None = None) -> set[int]:
         """Request keys ``pod`` holds (on ``dp_rank`` if given), any tier."""
         res = self._run("pod_keys", pod, "" if dp_rank is None else int(dp_rank), write=False)
-        return set() if res is None else {int(k) for k in res}
+        return set() if res is None else {from_k8(k) for k in res}
 
     def models(self) -> frozenset[str | None]:
         """Models whose blocks events have stored (by any replica)."""
@@ -780,4 +791,6 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
             self._model_ids = {None: 0}
             self._model_names = {0: None}
             self._models = set()
+            self._layout_error = None
+            self._next_epoch_check = 0.0
         return n

@@ -9,9 +9,10 @@ twice leaves the same state (every size counter changes only on a state
 transition the script itself observes, never by blind increments).
 
 Data layout: see the module docstring of :mod:`kvindex.redis_index`.
-Request and engine keys travel as decimal strings and are never used in Lua
-arithmetic (Lua numbers are doubles); tier masks fit in 31 bits and use the
-``bit`` library.  ``ARGV[1]`` of every script is the key prefix, optionally
+Request and engine keys travel and are kept in binary
+(:func:`kvindex.redis_batch.k8`; a list of them is one string, split by
+``keys8``) and are never used in Lua arithmetic (Lua numbers are doubles);
+tier masks fit in 31 bits and use the ``bit`` library.  ``ARGV[1]`` of every script is the key prefix, optionally
 followed by NUL, a model name, NUL and the id the caller knows for it: the
 script then refuses to run (error ``STALEMODEL``) unless the server still
 gives that model that id.
@@ -52,14 +53,35 @@ local function ekey(mid) return P .. 'e:' .. mid end
 local function xkey(pod) return P .. 'x:' .. pod end
 local function hkey(pod) return P .. 'h:' .. pod end
 local function hckey(pod) return P .. 'hc:' .. pod end
-local function pmkey(pod) return P .. 'pm:' .. pod end
 
--- "mask:ek:mid" of a level-1 rank entry
+-- keys travel and are kept in binary (kvindex.redis_batch.k8): 8 bytes big-endian, or 10 bytes starting
+-- with byte 255 (keys from 255 * 2**56 up, negative ones); the length of the key starting at byte i of s
+local function klen(s, i)
+  if string.byte(s, i or 1) == 255 then return 10 end
+  return 8
+end
+-- a string of keys -> a list
+local function keys8(s)
+  local t, i, n = {}, 1, #s
+  while i <= n do
+    local w = klen(s, i)
+    t[#t + 1] = string.sub(s, i, i + w - 1)
+    i = i + w
+  end
+  return t
+end
+
+-- "mask:mid:<ek>" of a level-1 rank entry (ek last) -> mask, ek, mid
 local function parse_entry(v)
   local a = string.find(v, ':', 1, true)
   local b = string.find(v, ':', a + 1, true)
-  return tonumber(string.sub(v, 1, a - 1)), string.sub(v, a + 1, b - 1), string.sub(v, b + 1)
+  return tonumber(string.sub(v, 1, a - 1)), string.sub(v, b + 1), string.sub(v, a + 1, b - 1)
 end
+local function entry(mask, ek, mid) return mask .. ':' .. mid .. ':' .. ek end
+
+-- level 2 "<rk>:<holders>" (rk first)
+local function l2_rk(v) return string.sub(v, 1, klen(v)) end
+local function l2_count(v) return tonumber(string.sub(v, klen(v) + 2)) end
 
 -- field 'r:<rank>:<pod>' -> rank, pod (nil for other fields)
 local function parse_rfield(f)
@@ -124,14 +146,13 @@ local function unref(ek, mid, compat)
   local e = ekey(mid)
   local v = redis.call('HGET', e, ek)
   if not v then return end
-  local c = string.find(v, ':', 1, true)
-  local cnt = tonumber(string.sub(v, c + 1)) - 1
+  local cnt = l2_count(v) - 1
   if cnt <= 0 then
     redis.call('HDEL', e, ek)
     dek = dek - 1
     if redis.call('EXISTS', e) == 0 then redis.call('ZREM', L2ORDER, mid) end
   else
-    redis.call('HSET', e, ek, string.sub(v, 1, c) .. cnt)
+    redis.call('HSET', e, ek, l2_rk(v) .. ':' .. cnt)
   end
 end
 
@@ -161,23 +182,15 @@ local function pod_ranks(bk, pod)
   return m, n
 end
 
--- A value longer than hash-max-listpack-value (64 bytes by default) makes Redis keep the hash as a
--- hash table: HMGET of many fields is then O(1) per field (a listpack is scanned for each field).
-local WIDE = string.rep('-', 80)
-
+-- the read path's view of a block: field 'p:<pod>' of its block hash -> the pod's mask (OR over its
+-- DP ranks); PK counts each pod's blocks
 local function set_pod_mask(rk, pod, mask)
-  local pm = pmkey(pod)
-  if redis.call('HSET', pm, rk, mask) == 1 then
-    if redis.call('HINCRBY', PK, pod, 1) == 1 then redis.call('HSET', pm, '~', WIDE) end
-  end
+  if redis.call('HSET', bkey(rk), 'p:' .. pod, mask) == 1 then redis.call('HINCRBY', PK, pod, 1) end
 end
 
 local function drop_pod_mask(rk, pod)
-  if redis.call('HDEL', pmkey(pod), rk) == 1 then
-    if redis.call('HINCRBY', PK, pod, -1) <= 0 then
-      redis.call('HDEL', PK, pod)
-      redis.call('DEL', pmkey(pod))
-    end
+  if redis.call('HDEL', bkey(rk), 'p:' .. pod) == 1 then
+    if redis.call('HINCRBY', PK, pod, -1) <= 0 then redis.call('HDEL', PK, pod) end
   end
 end
 
@@ -208,7 +221,7 @@ local function drop_copy(pod, rank, ek, rk, bitv, compat)
     settle_pod(rk, pod)
     return true
   end
-  redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
+  redis.call('HSET', bk, rf, entry(mask, eek, emid))
   local m = pod_ranks(bk, pod)
   set_pod_mask(rk, pod, m)
   return true
@@ -252,8 +265,7 @@ local function link(pod, rank, mid, ek, rk, compat, old)
         redis.call('HSET', e, ek, rk .. ':1')
         dek = dek + 1
       else
-        local c = string.find(v, ':', 1, true)
-        redis.call('HSET', e, ek, rk .. ':' .. (tonumber(string.sub(v, c + 1)) + 1))
+        redis.call('HSET', e, ek, rk .. ':' .. (l2_count(v) + 1))
       end
     end
   end
@@ -283,7 +295,7 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   local v = false
   if not fresh then v = redis.call('HGET', bk, rf) end
   if not v then
-    redis.call('HSET', bk, rf, bitv .. ':' .. ek .. ':' .. mid)
+    redis.call('HSET', bk, rf, entry(bitv, ek, mid))
   else
     local mask, eek, emid = parse_entry(v)
     mask = bit.bor(mask, bitv)
@@ -295,10 +307,10 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
       end
       eek = ek
     end
-    redis.call('HSET', bk, rf, mask .. ':' .. eek .. ':' .. emid)
+    redis.call('HSET', bk, rf, entry(mask, eek, emid))
   end
   local pm = 0
-  if not fresh then pm = tonumber(redis.call('HGET', pmkey(pod), rk) or '0') end
+  if not fresh then pm = tonumber(redis.call('HGET', bk, 'p:' .. pod) or '0') end
   set_pod_mask(rk, pod, bit.bor(pm, bitv))
   link(pod, rank, mid, ek, rk, compat, old)
 end
@@ -308,7 +320,7 @@ local function resolve(pod, rank, mid, ek)
   if rk then return rk end
   local v = redis.call('HGET', ekey(mid), ek)
   if not v then return nil end
-  return string.sub(v, 1, string.find(v, ':', 1, true) - 1)
+  return l2_rk(v)
 end
 """ + GROUP_HELPERS + r"""
 -- forget what pod holds: rank ('' = every rank), mid ('' = every model, '-' = none);
@@ -382,8 +394,8 @@ return resolve(ARGV[2], ARGV[3], ARGV[4], ARGV[5]) or false
 """
 
 # One publisher's run of events, in order (the write path's batch).
-# ARGV: P, pod, rank, mid, capacity, compat, then per event one op (engine / request keys as decimal
-# words separated by spaces):
+# ARGV: P, pod, rank, mid, capacity, compat, then per event one op (engine / request keys as one
+# string of binary keys each, see keys8):
 #   'S', bit, parent ek ('' = none), its request key, eks, rks   a store; applied only if the stream
 #                                                               still resolves the parent to that key
 #   'T', bit, eks                                               a token-less store
@@ -409,17 +421,12 @@ while i <= #ARGV do
   if op == 'S' then
     local bitv, pek = tonumber(ARGV[i + 1]), ARGV[i + 2]
     if pek ~= '' and resolve(pod, rank, mid, pek) ~= ARGV[i + 3] then break end
-    local rks = {}
-    for w in string.gmatch(ARGV[i + 5], '%S+') do rks[#rks + 1] = w end
-    local k = 0
-    for ek in string.gmatch(ARGV[i + 4], '%S+') do
-      k = k + 1
-      put(pod, rank, mid, ek, rks[k], bitv, cap, compat)
-    end
+    local eks, rks = keys8(ARGV[i + 4]), keys8(ARGV[i + 5])
+    for k = 1, #eks do put(pod, rank, mid, eks[k], rks[k], bitv, cap, compat) end
     i = i + 6
   elseif op == 'T' then
     local bitv = tonumber(ARGV[i + 1])
-    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+    for _, ek in ipairs(keys8(ARGV[i + 2])) do
       local rk
       if compat then rk = ek else rk = resolve(pod, rank, mid, ek) end
       if rk then put(pod, rank, mid, ek, rk, bitv, cap, compat) else unknown = unknown + 1 end
@@ -428,7 +435,7 @@ while i <= #ARGV do
   elseif op == 'R' then
     local bitv = tonumber(ARGV[i + 1])
     local sk = skey(mid, rank, pod)
-    for ek in string.gmatch(ARGV[i + 2], '%S+') do
+    for _, ek in ipairs(keys8(ARGV[i + 2])) do
       local rk = redis.call('HGET', sk, ek)
       if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
     end
@@ -442,10 +449,9 @@ while i <= #ARGV do
       if main then got = resolve(pod, rank, mid, pek) else got = gresolve(mid, rank, g, pod, pek, compat) end
       if got ~= prk then break end
     end
-    local eks, rks = {}, {}
-    for w in string.gmatch(ARGV[i + 9], '%S+') do eks[#eks + 1] = w end
+    local eks, rks = keys8(ARGV[i + 9]), {}
     if kind == 'S' then
-      for w in string.gmatch(ARGV[i + 10], '%S+') do rks[#rks + 1] = w end
+      rks = keys8(ARGV[i + 10])
       if main then
         for k = 1, #eks do put(pod, rank, mid, eks[k], rks[k], bitv, cap, compat) end
       else
@@ -474,7 +480,7 @@ while i <= #ARGV do
     local g, bitv = ARGV[i + 1], tonumber(ARGV[i + 2])
     local main = gmain(mid, rank, pod, g)
     local sk = skey(mid, rank, pod)
-    for ek in string.gmatch(ARGV[i + 3], '%S+') do
+    for _, ek in ipairs(keys8(ARGV[i + 3])) do
       local hit
       if main then
         local rk = redis.call('HGET', sk, ek)
@@ -534,7 +540,7 @@ local xk = xkey(pod)
 local added = false
 for i = 7, #ARGV do
   local rk = ARGV[i]
-  if redis.call('HEXISTS', pmkey(pod), rk) == 0 then
+  if redis.call('HEXISTS', bkey(rk), 'p:' .. pod) == 0 then
     redis.call('ZADD', xk, expiry, rk)
     added = true
   end

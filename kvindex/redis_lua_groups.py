@@ -65,7 +65,7 @@ local function glookup(mid, rank, g, pod, ek, compat)
   end
   local v = redis.call('HGET', gekey(mid, rank, g, pod), ek)
   if not v then return nil end
-  return string.sub(v, 1, string.find(v, ':', 1, true) - 1)
+  return string.sub(v, 1, klen(v))
 end
 
 -- a non-primary store's parent: in its group, else the main tables
@@ -84,8 +84,7 @@ local function gdrop(mid, rank, g, pod, ek, bitv, compat)
   else
     local v = redis.call('HGET', gekey(mid, rank, g, pod), ek)
     if not v then return false end
-    local c = string.find(v, ':', 1, true)
-    rk, mask = string.sub(v, 1, c - 1), tonumber(string.sub(v, c + 1))
+    rk, mask = string.sub(v, 1, klen(v)), tonumber(string.sub(v, klen(v) + 2))
   end
   if bit.band(mask, bitv) == 0 then return false end
   mask = bit.band(mask, bit.bnot(bitv))
@@ -104,7 +103,9 @@ end
 local function gevict_one(compat)
   local popped = redis.call('ZPOPMIN', GL)
   if #popped == 0 then return end
-  local ek, mid, rank, g, pod = string.match(popped[1], '^([0-9]+):([0-9]+):([0-9]+):([0-9]+):(.*)$')
+  local w = klen(popped[1])
+  local ek = string.sub(popped[1], 1, w)
+  local mid, rank, g, pod = string.match(string.sub(popped[1], w + 2), '^([0-9]+):([0-9]+):([0-9]+):(.*)$')
   gdrop(mid, rank, g, pod, ek, -1, compat)
   gevictions = gevictions + 1
 end
@@ -119,11 +120,10 @@ local function gput(mid, rank, g, pod, ek, rk, bitv, cap, compat)
     local ge = gekey(mid, rank, g, pod)
     local v = redis.call('HGET', ge, ek)
     if v then
-      local c = string.find(v, ':', 1, true)
-      if string.sub(v, 1, c - 1) ~= rk then  -- the engine reused the hash for other content
+      if string.sub(v, 1, klen(v)) ~= rk then  -- the engine reused the hash for other content
         gdrop(mid, rank, g, pod, ek, -1, compat)
       else
-        mask = string.sub(v, c + 1)
+        mask = string.sub(v, klen(v) + 2)
       end
     end
     redis.call('HSET', ge, ek, rk .. ':' .. bit.bor(tonumber(mask or '0'), bitv))
@@ -186,13 +186,12 @@ _GROUP_SPECS = r"""
 return redis.call('HGETALL', gskey(ARGV[4], ARGV[3], ARGV[2]))
 """
 
-# ARGV: P, pod, rank, mid, keys (decimal words) -> {g, {mask per key}, g, {...}, ...} for every learned group
+# ARGV: P, pod, rank, mid, keys (binary, one string) -> {g, {mask per key}, g, {...}, ...} for every learned group
 _GROUP_MATCH = r"""
 local pod, rank, mid = ARGV[2], ARGV[3], ARGV[4]
 local gk = gskey(mid, rank, pod)
 local p = redis.call('HGET', gk, 'p')
-local K = {}
-for w in string.gmatch(ARGV[5], '%S+') do K[#K + 1] = w end
+local K = keys8(ARGV[5])
 local rf = 'r:' .. rank .. ':' .. pod
 local out = {}
 for _, g in ipairs(redis.call('HKEYS', gk)) do

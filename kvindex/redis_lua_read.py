@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["READ_SCRIPTS"]
 
-# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys (decimal words)
+# ARGV: P, now ('' = server time), gpu bit, touch (0/1), npods (-1 = every pod), pods..., keys (binary, one string)
 # -> {expired, pod1, {mask, run length, mask, run length, ...}, pod2, {...}, ...} (the masks run-length coded)
 _MATCH = r"""
 local now = now_arg(ARGV[2])
@@ -45,31 +45,82 @@ for _, p in ipairs(cands) do
     masks[p] = {}
   end
 end
-local K = {}
-for w in string.gmatch(ARGV[kstart], '%S+') do K[#K + 1] = w end
+local K = keys8(ARGV[kstart])
 local nkeys = #K
 local longest = 0
--- per pod: HMGET of its masks in growing chunks (64, 128, ...) until its first miss
-for _, p in ipairs(alive) do
-  local ms = masks[p]
-  local i, chunk, done = 0, 64, false
-  while not done and i < nkeys do
-    local n = math.min(chunk, nkeys - i)
-    local vals = redis.call('HMGET', pmkey(p), unpack(K, i + 1, i + n))
-    local hv = nil
-    if held[p] then hv = redis.call('HMGET', hkey(p), unpack(K, i + 1, i + n)) end
-    for j = 1, n do
+-- per key, one HMGET of the block hash's fields 'p:<pod>' for the pods still matching; a pod stops at
+-- its first miss (held masks are read per pod in chunks of 64 keys)
+local fields, hv, plain = {}, {}, true
+for j, p in ipairs(alive) do
+  fields[j] = 'p:' .. p
+  if held[p] or spec[p] then plain = false end
+end
+local BP = P .. 'b:'
+local i = 0
+if plain then
+  -- no held or speculative entries among the candidates: masks only
+  local mt = {}
+  for j, p in ipairs(alive) do mt[j] = masks[p] end
+  local nf = #fields
+  while nf > 0 and i < nkeys do
+    i = i + 1
+    local vals
+    if nf == 1 then vals = {redis.call('HGET', BP .. K[i], fields[1])}
+    else vals = redis.call('HMGET', BP .. K[i], unpack(fields)) end
+    local miss = false
+    for j = 1, nf do
       local m = vals[j]
-      if m then m = tonumber(m) else m = nil end
-      if hv and hv[j] then m = bit.bor(m or 0, tonumber(hv[j])) end
-      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), K[i + j]) then m = gpu end
-      if m == nil then done = true; break end
+      if m then local t = mt[j]; t[#t + 1] = tonumber(m) else miss = true end
+    end
+    if miss then
+      local f2, m2 = {}, {}
+      for j = 1, nf do
+        if vals[j] then f2[#f2 + 1] = fields[j]; m2[#m2 + 1] = mt[j] end
+      end
+      fields, mt, nf = f2, m2, #f2
+    end
+    if nf > 0 then longest = i end
+  end
+  alive = {}
+end
+local got = {}
+while #alive > 0 and i < nkeys do
+  i = i + 1
+  local vals = redis.call('HMGET', BP .. K[i], unpack(fields))
+  local na = #alive
+  local hits = 0
+  for j = 1, na do
+    local m = vals[j]
+    if m then m = tonumber(m) else m = nil end
+    if not plain then
+      local p = alive[j]
+      if held[p] then
+        local c = hv[p]
+        if c == nil or i > c.last then
+          local n = math.min(64, nkeys - i + 1)
+          c = {first = i, last = i + n - 1, v = redis.call('HMGET', hkey(p), unpack(K, i, i + n - 1))}
+          hv[p] = c
+        end
+        local h = c.v[i - c.first + 1]
+        if h then m = bit.bor(m or 0, tonumber(h)) end
+      end
+      if m == nil and spec[p] and redis.call('ZSCORE', xkey(p), K[i]) then m = gpu end
+    end
+    got[j] = m
+    if m ~= nil then
+      hits = hits + 1
+      local ms = masks[alive[j]]
       ms[#ms + 1] = m
     end
-    i = i + n
-    chunk = chunk * 2
   end
-  if #ms > longest then longest = #ms end
+  if hits > 0 then longest = i end
+  if hits < na then
+    local a2, f2 = {}, {}
+    for j = 1, na do
+      if got[j] ~= nil then a2[#a2 + 1] = alive[j]; f2[#f2 + 1] = fields[j] end
+    end
+    alive, fields = a2, f2
+  end
 end
 if touch and longest > 0 then
   local top = redis.call('INCRBY', P .. 'tick', longest)
@@ -139,7 +190,7 @@ end
 return out
 """
 
-# ARGV: P, pod, keys (decimal words) -> best rank (string) or false
+# ARGV: P, pod, keys (binary, one string) -> best rank (string) or false
 _BEST_RANK = r"""
 local pod = ARGV[2]
 local ranks, seen = {}, {}
@@ -147,15 +198,14 @@ for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
   local r = string.sub(s, string.find(s, ':', 1, true) + 1)
   if not seen[r] then seen[r] = true; ranks[#ranks + 1] = r end
 end
-local first = string.match(ARGV[3], '%S+')
+local K = keys8(ARGV[3])
+local first = K[1]
 if #ranks == 0 or not first then return false end
 if #ranks == 1 then
   -- one rank holds every block of the pod: the first key answers
   if redis.call('HEXISTS', bkey(first), 'r:' .. ranks[1] .. ':' .. pod) == 1 then return ranks[1] end
   return false
 end
-local K = {}
-for w in string.gmatch(ARGV[3], '%S+') do K[#K + 1] = w end
 local alive = ranks
 local best = false
 for i = 1, #K do
@@ -192,7 +242,7 @@ local mids
 if mid == '' then mids = redis.call('ZRANGE', L2ORDER, 0, -1) else mids = {mid} end
 for _, m in ipairs(mids) do
   local v = redis.call('HGET', ekey(m), ek)
-  if v then return string.sub(v, 1, string.find(v, ':', 1, true) - 1) end
+  if v then return l2_rk(v) end
 end
 return false
 """
