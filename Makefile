@@ -2,7 +2,7 @@
 # Both create their own virtualenv (.venv) on a fresh machine, installing only
 # what their level needs; a stamp file per level records what is installed:
 #   lib   (.venv/.installed-lib):   the library and its compiled core (make demo)
-#   test  (.venv/.installed-test):  + the test and tokenize extras, NIXL and ai-dynamo-runtime (make test, the other targets)
+#   test  (.venv/.installed-test):  + the test, tokenize and router extras, NIXL and ai-dynamo-runtime (make test, the other targets)
 #   bench (.venv/.installed-bench): + the bench extra (benchmarks, simulator)
 
 PYTHON ?= python3
@@ -23,7 +23,7 @@ $(LIB): pyproject.toml CMakeLists.txt $(wildcard native/*.cpp native/*.h)
 # The extras go on top of the installed library (`kvindex[...]` is satisfied by
 # the editable install, so the compiled core is not built a second time).
 $(TEST): $(LIB)
-	$(PY) -m pip install -q 'kvindex[test,tokenize]'
+	$(PY) -m pip install -q 'kvindex[test,tokenize,router]'
 	# NIXL for the two-process transfer tests: its wheels pin torch and CUDA
 	# packages it does not need on CPU, hence --no-deps (numpy comes with kvindex)
 	$(PY) -m pip install -q --no-deps 'nixl>=1.5' 'nixl-cu12>=1.5'

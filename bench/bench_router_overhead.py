@@ -23,7 +23,13 @@ fake engine's /tokenize makes the tokenizer-library calls vLLM makes for it
 (transformers' ``apply_chat_template(..., tokenize=False)`` then the fast
 tokenizer's encode of the text); its CPU time counts as router overhead, as a
 real engine's would. p50 and p99 in milliseconds, with the date, machine,
-load average and CPU affinity; writes bench/out/router_overhead.json.
+load average, CPU affinity and the routers' event loop; writes
+bench/out/router_overhead.json.
+
+The routers' process runs as the entry point ``python -m examples.router``
+does: the collector tuned (``tune_gc``) and the event loop of ``loop_factory``
+(uvloop's when installed); ``--router-loop asyncio`` keeps asyncio's for a
+comparison.
 
 Reference row: llm-d's EPP, as published (p50 2-3 ms, p95 4.8-6.8 ms at
 100k-token prompts, 10 QPS; not measured here).
@@ -155,7 +161,14 @@ async def _serve_routers(engine_port: int, tok_dir: Path) -> dict[str, Any]:
     return routers
 
 
-def serve(role: str, tok_dir: Path, engine_port: int) -> None:
+def router_loop(choice: str) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The routers' event-loop factory: ``entry`` the entry point's (:func:`examples.router.serve.loop_factory`)."""
+    from examples.router.serve import loop_factory
+
+    return loop_factory() if choice == "entry" else asyncio.new_event_loop
+
+
+def serve(role: str, tok_dir: Path, engine_port: int, loop: str = "entry") -> None:
     """Serve the fake engine or the routers until stdin closes; print their ports as one JSON line."""
     async def main() -> None:
         if role == "engine":
@@ -164,6 +177,7 @@ def serve(role: str, tok_dir: Path, engine_port: int) -> None:
         else:
             routers = await _serve_routers(engine_port, tok_dir)
             ports = {m: int(rr.url.rsplit(":", 1)[1]) for m, rr in routers.items()}
+            ports["loop"] = type(asyncio.get_running_loop()).__module__
             closers = [lambda rr=rr: rr.__aexit__(None, None, None) for rr in routers.values()]
             from examples.router.serve import tune_gc
 
@@ -174,32 +188,38 @@ def serve(role: str, tok_dir: Path, engine_port: int) -> None:
             await close()
         gc.unfreeze()
 
-    asyncio.run(main())
+    if role == "engine":
+        asyncio.run(main())
+    else:  # as the router's entry point (python -m examples.router) runs it
+        with asyncio.Runner(loop_factory=router_loop(loop)) as runner:
+            runner.run(main())
 
 
 class Rig:
     """A fake engine and the routers of :data:`MODES` in front of it, each in its own process."""
 
-    def __init__(self, tok_dir: Path) -> None:
+    def __init__(self, tok_dir: Path, loop: str = "entry") -> None:
         from kvindex.tokenize import RequestTokenizer
 
         self.tokenizer = RequestTokenizer(tok_dir)
         self._procs: list[subprocess.Popen[str]] = []
-        self.ports = self._start("engine", tok_dir, 0)
-        self.ports.update(self._start("routers", tok_dir, self.ports["direct"]))
+        self.ports = self._start("engine", tok_dir, 0, loop)
+        routers = self._start("routers", tok_dir, self.ports["direct"], loop)
+        self.loop = str(routers.pop("loop"))  # the routers' event loop's module: uvloop or asyncio.unix_events
+        self.ports.update(routers)
         self.clients = {m: Client(p) for m, p in self.ports.items()}
 
-    def _start(self, role: str, tok_dir: Path, engine_port: int) -> dict[str, int]:
+    def _start(self, role: str, tok_dir: Path, engine_port: int, loop: str) -> dict[str, Any]:
         proc = subprocess.Popen([sys.executable, __file__, "--serve", role, "--tok-dir", str(tok_dir),
-                                 "--engine-port", str(engine_port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                text=True)
+                                 "--engine-port", str(engine_port), "--router-loop", loop],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
             self.close()
             raise RuntimeError(f"the {role} process did not start")
-        return {k: int(v) for k, v in json.loads(line).items()}
+        return {k: v if k == "loop" else int(v) for k, v in json.loads(line).items()}
 
     def overhead(self, mode: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[float, float]:
         """(router round trip, direct round trip) for one body, seconds."""
@@ -306,22 +326,25 @@ def main() -> None:
     p.add_argument("--serve", choices=("engine", "routers"), help=argparse.SUPPRESS)
     p.add_argument("--tok-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--engine-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--router-loop", choices=("entry", "asyncio"), default="entry",
+                   help="the routers' event loop: the entry point's (uvloop when installed; default) or asyncio's")
     args = p.parse_args()
     if args.serve:
-        return serve(args.serve, args.tok_dir, args.engine_port)
+        return serve(args.serve, args.tok_dir, args.engine_port, args.router_loop)
     with tempfile.TemporaryDirectory() as tmp:
         if (args.model_dir / "tokenizer.json").is_file():
-            rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)))
+            rig = Rig(tokenizer_dir(args.model_dir, Path(tmp)), args.router_loop)
         else:  # no generated test model here: the tokenization tests' tokenizer (ChatML, special tokens)
             from tests.tokenize_model import make_tokenizer_dir
 
             print(f"{args.model_dir} holds no tokenizer: using tests/tokenize_model.py's")
-            rig = Rig(make_tokenizer_dir(Path(tmp) / "tok"))
+            rig = Rig(make_tokenizer_dir(Path(tmp) / "tok"), args.router_loop)
         try:
             load = os.getloadavg()
             cpus = sorted(os.sched_getaffinity(0))
             print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  {platform.platform()}  "
-                  f"{platform.processor() or platform.machine()}  cpus {cpus}  load {load[0]:.2f}")
+                  f"{platform.processor() or platform.machine()}  cpus {cpus}  load {load[0]:.2f}  "
+                  f"router loop {rig.loop}")
             print("added latency per request (router round trip - direct round trip), ms")
             print(f"{'tokens':>8} {'tokens via':>10} {'single p50':>11} {'p99':>9} {'n':>4} "
                   f"{'multi p50':>10} {'p99':>9} {'n':>4} {'direct p50':>10}")
@@ -336,7 +359,8 @@ def main() -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.platform(),
-        "cpus": cpus, "load_before": load, "load_after": os.getloadavg(), "proxy_floor": floor, "rows": rows,
+        "cpus": cpus, "router_loop": rig.loop, "load_before": load, "load_after": os.getloadavg(),
+        "proxy_floor": floor, "rows": rows,
         "reference": LLMD_EPP}, indent=2))
     print(f"wrote {OUT}")
 

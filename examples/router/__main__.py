@@ -38,7 +38,7 @@ import msgspec
 from aiohttp import web
 
 from examples.router.app import RouterConfig, load_router_config, parse_engine_arg
-from examples.router.serve import make_router, tune_gc
+from examples.router.serve import loop_factory, make_router, tune_gc
 
 
 def build_config(argv: list[str] | None = None) -> RouterConfig:
@@ -172,8 +172,10 @@ def main(argv: list[str] | None = None) -> int:
 
     app.on_startup.append(after_start)
     app.on_cleanup.append(at_cleanup)
+    loop = loop_factory()()  # uvloop's when installed (the router extra)
+    print(f"event loop: {type(loop).__module__.split('.')[0]}", file=sys.stderr)
     try:
-        web.run_app(app, host=config.host, port=config.port, print=lambda s: print(s, file=sys.stderr))
+        web.run_app(app, host=config.host, port=config.port, loop=loop, print=lambda s: print(s, file=sys.stderr))
     except (RuntimeError, OSError) as e:  # e.g. no engine answered /v1/models, or the port is taken
         print(f"python -m examples.router: error: {e}", file=sys.stderr)
         return 2
