@@ -51,7 +51,6 @@ it touches anything).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 
@@ -61,6 +60,7 @@ from kvindex import _native
 from kvindex.contract import ALL_MODELS, ApplyResult, IndexStats, PodEntry
 from kvindex.groups import MAIN, GroupsMixin, GroupTables, Stream
 from kvindex.hybrid import GroupSpec
+from kvindex.locks import WriteLock
 from kvindex.side_tables import SideTables, _Orphan, apply_each, checked_store
 from kvindex.keys import TokenProcessor, _tokens_to_u64
 from kvindex.tiers import GPU, TIERS, tier_bit, tier_names
@@ -117,7 +117,7 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
         self._compat = bool(self.token_processor.engine_compatible)
         self._clock = clock
         self._core = _native.IndexCore(min(capacity, 2**27 - 2), self._compat)
-        self._lock = threading.RLock()  # writers, orphans, speculative entries
+        self._lock = WriteLock()  # writers, orphans, speculative entries (kvindex.locks)
         self._wgen = 0  # odd while a writer applies one event in several core calls (see Locking)
         # compat mode chains nothing: the core takes the block size from a K of that length
         self._ones_k = np.ones(self.block_size, dtype=np.uint64)

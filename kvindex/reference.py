@@ -19,7 +19,6 @@ also refreshes recency (least-recently-used eviction counts reads as use).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -28,6 +27,7 @@ from itertools import takewhile
 from kvindex.contract import ALL_MODELS, IndexStats, PodEntry, RequestKeys, _AllModels
 from kvindex.groups import MAIN, GroupsMixin, GroupTables
 from kvindex.hybrid import GroupSpec
+from kvindex.locks import WriteLock
 from kvindex.keys import TokenProcessor
 from kvindex.side_tables import SideTables, _Orphan, checked_store
 from kvindex.tiers import GPU, tier_bit, tier_names
@@ -91,7 +91,7 @@ class KVBlockIndex(SideTables, GroupsMixin):
         self.max_orphan_blocks = max_orphan_blocks
         self._compat = bool(self.token_processor.engine_compatible)
         self._clock = clock
-        self._lock = threading.RLock()
+        self._lock = WriteLock()  # kvindex.locks
         # level 1: request key -> pod -> _PodBlock
         self._blocks: OrderedDict[int, dict[str, _PodBlock]] = OrderedDict()
         # the same masks by pod: pod -> request key -> tier mask (OR over ranks), for the read path

@@ -58,8 +58,12 @@ IndexCore::ApplyOut IndexCore::apply_events(
 
     BatchCounts c;
     size_t applied;
+    size_t blocks = 0;
+    for (const BatchEvent& e : evs) blocks += e.kind == 2 ? NOGIL_MIN_BLOCKS : e.eks.n;  // a clear may be long
     {
-        nb::gil_scoped_release nogil;
+        // as apply_raw: a batch of a few blocks keeps the GIL
+        std::optional<nb::gil_scoped_release> nogil;
+        if (blocks >= NOGIL_MIN_BLOCKS) nogil.emplace();
         applied = apply_locked(pod, rank, mid, evs, root, K, A, c);
     }
     return apply_out(start + applied, c);
@@ -79,7 +83,7 @@ IndexCore::ApplyOut IndexCore::apply_raw(const std::string& pod, int32_t rank, u
     size_t applied;
     size_t n = rb.evs.size();
     size_t blocks = 0;
-    for (size_t i = start; i < n; ++i) blocks += rb.evs[i].h_n;
+    for (size_t i = start; i < n; ++i) blocks += rb.evs[i].kind == 2 ? NOGIL_MIN_BLOCKS : rb.evs[i].h_n;
     {
         // a batch of a few blocks keeps the GIL (as reads of fewer than NOGIL_MIN_BLOCKS do): its
         // apply takes microseconds, and giving the GIL up for it lets another writer thread take
