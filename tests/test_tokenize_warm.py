@@ -43,6 +43,21 @@ def _dump(body: dict[str, Any], style: int) -> bytes:
     return json.dumps(body, indent="\t", ensure_ascii=False).encode() + b"\n "
 
 
+def conversation_bodies(turns: list[list[dict[str, Any]]], edit: int | None,
+                        extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """A conversation's chat bodies turn by turn; ``edit``: then a rewritten history and a branch."""
+    conv: list[dict[str, Any]] = [{"role": "system", "content": "a shared system prompt " * 12}]
+    bodies = []
+    for new in turns:
+        conv = conv + new
+        bodies.append({"model": "m", "messages": conv, **extra})
+    if edit is not None:  # a rewritten message of the history, then a branch from the original
+        edited = [dict(m) for m in conv]
+        edited[edit % len(edited)]["content"] = "rewritten"
+        bodies += [{"messages": edited, **extra}, {"messages": conv[:-1], **extra}]
+    return bodies
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
@@ -62,16 +77,8 @@ def pairs(model_dir: Path) -> dict[str, tuple[RequestTokenizer, RequestTokenizer
 def test_warm_turns_equal_full_tokenization(pairs, template, turns, styles, edit, gen, tools,  # type: ignore[no-untyped-def]
                                             limit) -> None:
     tok, oracle = pairs[template]
-    conv: list[dict[str, Any]] = [{"role": "system", "content": "a shared system prompt " * 12}]
     extra: dict[str, Any] = {"add_generation_prompt": gen, **({"tools": TOOLS} if tools else {})}
-    bodies = []
-    for new in turns:
-        conv = conv + new
-        bodies.append({"model": "m", "messages": conv, **extra})
-    if edit is not None:  # a rewritten message of the history, then a branch from the original
-        edited = [dict(m) for m in conv]
-        edited[edit % len(edited)]["content"] = "rewritten"
-        bodies += [{"messages": edited, **extra}, {"messages": conv[:-1], **extra}]
+    bodies = conversation_bodies(turns, edit, extra)
     for i, body in enumerate(bodies):
         raw = _dump(body, styles[i % len(styles)])
         sent = json.loads(raw)

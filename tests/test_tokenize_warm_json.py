@@ -27,7 +27,7 @@ from examples.router.app import EngineSpec, Router, RouterConfig, TokenizerSpec 
 from kvindex.tokenize import RequestTokenizer  # noqa: E402
 from kvindex.tokenize.render_cache import RenderCache  # noqa: E402
 from tests.test_tokenize_render import HEAD_TAIL, TOOLS, messages  # noqa: E402
-from tests.test_tokenize_warm import _dump  # noqa: E402
+from tests.test_tokenize_warm import _dump, conversation_bodies  # noqa: E402
 from tests.tokenize_model import CHATML, make_tokenizer_dir  # noqa: E402
 
 CHAT = "/v1/chat/completions"
@@ -55,19 +55,6 @@ def _split(raw: bytes) -> tuple[dict[str, Any], bytes]:
     return {k: msgspec.json.decode(v) for k, v in fields.items()}, enc
 
 
-def _bodies(turns: list[list[dict[str, Any]]], edit: int | None, extra: dict[str, Any]) -> list[dict[str, Any]]:
-    conv: list[dict[str, Any]] = [{"role": "system", "content": "a shared system prompt " * 12}]
-    bodies = []
-    for new in turns:
-        conv = conv + new
-        bodies.append({"model": "m", "messages": conv, **extra})
-    if edit is not None:  # a rewritten message of the history, then a branch from the original
-        edited = [dict(m) for m in conv]
-        edited[edit % len(edited)]["content"] = "rewritten"
-        bodies += [{"messages": edited, **extra}, {"messages": conv[:-1], **extra}]
-    return bodies
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(template=st.sampled_from([CHATML, HEAD_TAIL]),
        turns=st.lists(st.lists(messages(), min_size=1, max_size=3), min_size=1, max_size=5),
@@ -77,7 +64,7 @@ def test_warm_turns_from_json_text_equal_full_tokenization(trios, template, turn
                                                            tools, limit) -> None:
     tok, decoded, oracle = trios[template]
     extra: dict[str, Any] = {"add_generation_prompt": gen, **({"tools": TOOLS} if tools else {})}
-    for i, body in enumerate(_bodies(turns, edit, extra)):
+    for i, body in enumerate(conversation_bodies(turns, edit, extra)):
         raw = _dump(body, styles[i % len(styles)])
         sent = json.loads(raw)
         want = oracle.chat(sent)
@@ -135,7 +122,7 @@ def test_the_routers_warm_turns_equal_its_full_path(model_dir, template, turns, 
                                                     extra) -> None:
     router = _router(model_dir, template)
     oracle = RequestTokenizer(model_dir, chat_template=template, cache_entries=0)
-    for i, body in enumerate(_bodies(turns, edit, extra)):
+    for i, body in enumerate(conversation_bodies(turns, edit, extra)):
         raw = _dump(body, styles[i % len(styles)])
         sent = json.loads(raw)
         warm = router._warm_turn(CHAT, raw)
