@@ -150,18 +150,9 @@ bool medium_bit(PyObject* ev, PyObject* name, PyObject* medium_bits, u64& bit) {
         PyErr_Clear();
         return false;
     }
-    PyObject* b = PyDict_GetItemWithError(medium_bits, m);  // borrowed
+    bool ok = tier_bit_of(medium_bits, m, bit);
     Py_DECREF(m);
-    if (!b) {
-        PyErr_Clear();
-        return false;
-    }
-    bit = PyLong_AsUnsignedLongLong(b);
-    if (bit == (u64)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return false;
-    }
-    return true;
+    return ok;
 }
 
 // Whether attribute `name` of `ev` is not None.
@@ -289,6 +280,20 @@ nb::object read_raw_batch(nb::handle events, nb::handle stored_t, nb::handle rem
     }
     if (!ok) return nb::none();
     return nb::cast(rb.release(), nb::rv_policy::take_ownership);
+}
+
+bool tier_bit_of(PyObject* medium_bits, PyObject* medium, u64& bit) {
+    PyObject* b = PyDict_GetItemWithError(medium_bits, medium);  // borrowed
+    if (!b) {
+        PyErr_Clear();
+        return false;
+    }
+    bit = PyLong_AsUnsignedLongLong(b);
+    if (bit == (u64)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+    }
+    return true;
 }
 
 }  // namespace kvnative

@@ -43,6 +43,10 @@ bool read_msgpack_u64s(const uint8_t* p, const uint8_t* end, bool hashes, std::v
 // The same for the array at p followed by anything: returns the byte after it, nullptr on failure.
 const uint8_t* read_msgpack_u64s_at(const uint8_t* p, const uint8_t* end, bool hashes, std::vector<u64>& out);
 
+// The tier bit of a medium (a str, or None) from the caller's medium -> bit dict; false (no Python
+// error left) when it has none or the bit is not an unsigned int.
+bool tier_bit_of(PyObject* medium_bits, PyObject* medium, u64& bit);
+
 // The module function decode_raw_payload: a whole vLLM payload of the plain shape read here (the
 // subset of what kvevents.fastwire's msgspec structures take that this reader knows), as
 // (ts, dp_rank or None, RawBatch); None for anything else (the caller decodes it another way).

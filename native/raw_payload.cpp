@@ -296,17 +296,7 @@ bool medium_bit(const EventParse& e, PyObject* medium_bits, u64& bit) {
         s = nb::steal(o);
         key = o;
     }
-    PyObject* b = PyDict_GetItemWithError(medium_bits, key);  // borrowed
-    if (!b) {
-        PyErr_Clear();
-        return false;
-    }
-    bit = PyLong_AsUnsignedLongLong(b);
-    if (bit == (u64)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return false;
-    }
-    return true;
+    return tier_bit_of(medium_bits, key, bit);
 }
 
 }  // namespace
