@@ -87,7 +87,7 @@ from examples.router.config import (
     parse_engine_arg,
 )
 from examples.router.engine_tokenizer import adopt_engine_tokenizer, engine_model_root
-from examples.router.upstream import engine_session, post_upstream
+from examples.router.upstream import HOP_BY_HOP, engine_session, post_upstream
 from kvindex.facade import Indexer
 from kvindex.facade.healing import HealingPolicy, with_full_report
 from scorer.load import fetch_load
@@ -107,24 +107,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvindex.router")
-
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-    )
-)
-"""Headers never copied between the client and the engine (RFC 9110 section 7.6.1, plus
-Host and Content-Length, which aiohttp sets for each side)."""
 
 CHAT_TOKENIZE_FIELDS = (
     "add_generation_prompt",

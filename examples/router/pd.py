@@ -73,7 +73,8 @@ from connector.params import RejectCounter, params_from_json_body
 from connector.planner import PDPlanner, TurnPlan
 from connector.retained import RetainedStore
 from examples.router.answers import relay_stream
-from examples.router.app import HOP_BY_HOP, Router, RouterConfig
+from examples.router.app import Router, RouterConfig
+from examples.router.upstream import HOP_BY_HOP
 from examples.router.upstream import post_upstream
 from kvindex.facade import Indexer
 from scorer.prefix import reads_prefix_cache

@@ -22,9 +22,27 @@ import aiohttp
 
 from examples.router.config import ENGINE_KEEPALIVE
 
-__all__ = ["NOT_SENT", "engine_session", "post_upstream"]
+__all__ = ["HOP_BY_HOP", "NOT_SENT", "engine_session", "post_upstream"]
 
 log = logging.getLogger("kvindex.router")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+    )
+)
+"""Headers never copied between the client and the engine (RFC 9110 section 7.6.1, plus
+Host and Content-Length, which aiohttp sets for each side)."""
 
 #: client errors that mean the request was not sent (no connection was made)
 NOT_SENT: tuple[type[BaseException], ...] = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
