@@ -53,6 +53,9 @@ def kv_transfer_config(
         "bidirectional_kv_xfer": True,
         "kv_recompute_threshold": recompute_threshold,
         "decoder_kv_blocks_ttl": blocks_ttl,
+        # one UCX worker thread per agent instead of vLLM's 4: on a machine of a few cores the
+        # engines' spinning NIXL threads otherwise crowd out the thread a transfer waits for
+        "num_threads": 1,
     }
     cfg: dict[str, Any] = {
         "kv_connector": "NixlConnector",
