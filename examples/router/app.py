@@ -281,6 +281,7 @@ class Router:
             registry=r,
         )
         self.m_in_flight = Gauge("kvindex_router_in_flight", "Requests in flight, by pod.", ["pod"], registry=r)
+        self._metric_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         self.m_waiting = Gauge("kvindex_router_engine_waiting", "Engine-reported waiting requests.", ["pod"], registry=r)
         self.m_running = Gauge("kvindex_router_engine_running", "Engine-reported running requests.", ["pod"], registry=r)
         self.m_kv_usage = Gauge(
@@ -635,12 +636,21 @@ class Router:
             route_ms=(time.perf_counter() - start) * 1000.0,
         )
         self.decisions.append(decision)
-        self.m_requests.labels(pod, path).inc()
-        self.m_predicted.labels(pod).inc(decision.predicted_cached_tokens)
-        self.m_prompt.labels(pod).inc(len(ids))
+        requests, predicted, prompt, in_flight = self._children(pod, path)
+        requests.inc()
+        predicted.inc(decision.predicted_cached_tokens)
+        prompt.inc(len(ids))
         self.m_predicted_hist.observe(decision.predicted_cached_tokens)
-        self.m_in_flight.labels(pod).inc()
+        in_flight.inc()
         return decision
+
+    def _children(self, pod: str, path: str) -> tuple[Any, Any, Any, Any]:
+        """A routed request's metric children (requests, predicted, prompt, in flight), looked up once."""
+        got = self._metric_children.get((pod, path))
+        if got is None:
+            got = self._metric_children[(pod, path)] = (self.m_requests.labels(pod, path), self.m_predicted.labels(
+                pod), self.m_prompt.labels(pod), self.m_in_flight.labels(pod))
+        return got
 
     def finish(self, decision: Decision, status: int, started: float) -> None:
         """Record the end of a routed request (status, duration) and release its in-flight slot."""
@@ -650,7 +660,7 @@ class Router:
         self.indexer.request_finished(decision.pod)
         if decision.full_report and self.healing is not None:
             self.healing.full_report_done(decision.pod, None, self.model)
-        self.m_in_flight.labels(decision.pod).dec()
+        self._children(decision.pod, decision.path)[3].dec()
         if status >= 500:
             self.m_upstream_errors.labels(decision.pod).inc()
 
