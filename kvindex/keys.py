@@ -502,21 +502,12 @@ class TokenProcessor:
             return _EMPTY.copy()
         return self._xxh3_keys(self._root(model, lora), toks, n, extras)
 
-    def _continue_keys(
-        self,
-        tokens: Sequence[int] | np.ndarray,
-        prefix_keys: Sequence[int] | np.ndarray,
-        model: str | None,
-        lora: str | tuple[str, str] | None,
-        block_extra_keys: Sequence[Sequence[Any] | None] | None,
-        cache_salt: str | None,
-    ) -> np.ndarray:
+    def _continue_keys(self, tokens: Any, prefix_keys: Any, model: str | None, lora: Any,
+                       block_extra_keys: Any, cache_salt: str | None) -> np.ndarray:
         """:meth:`request_keys` of ``tokens`` whose first blocks have ``prefix_keys`` (xxh3_chain)."""
-        bs = self.block_size
-        total = len(tokens)
+        bs, total = self.block_size, len(tokens)
         n = max(total - self.hash_lookahead_tokens, 0) // bs
-        allowed = (n, total // bs, -(-total // bs))
-        extras = _normalise_extras(block_extra_keys, n, allowed, cache_salt)
+        extras = _normalise_extras(block_extra_keys, n, (n, total // bs, -(-total // bs)), cache_salt)
         self._check_scope(model, lora)
         head = np.asarray(prefix_keys, dtype=np.uint64)
         if head.ndim != 1:
@@ -528,8 +519,9 @@ class TokenProcessor:
         more = extras[m:] if extras is not None and any(e is not None for e in extras[m:]) else None
         new = None
         if more is None and native is not None and isinstance(tokens, (list, np.ndarray)):
-            rest = tokens[m * bs :] if m else tokens  # keys of whole blocks only, cut to n below
-            try:
+            rest = tokens[m * bs :] if m else tokens  # keys of its whole blocks, cut to n below
+            try:  # an array as _tokens_to_u64 checks it (no negative ids); a list is checked in C
+                rest = _tokens_to_u64(rest) if isinstance(rest, np.ndarray) else rest
                 new = np.frombuffer(native.xxh3_chain(state, rest, self._K, self._A), dtype=np.uint64)[: n - m]
             except (TypeError, ValueError, OverflowError):
                 new = None  # the reference path below raises the documented errors

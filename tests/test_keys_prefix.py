@@ -35,7 +35,7 @@ def cases(draw):  # type: ignore[no-untyped-def]
 @settings(max_examples=300, deadline=None)
 @given(case=cases(), seed=st.integers(0, 2**64 - 1), salt=st.sampled_from([None, "", "salt"]),
        lora=st.sampled_from([None, "adapter", ("adapter", "/p")]), model=st.sampled_from([None, "m"]),
-       as_array=st.booleans(), more=st.lists(st.integers(0, 99), max_size=20))
+       as_array=st.sampled_from([None, np.uint64, np.int64]), more=st.lists(st.integers(0, 99), max_size=20))
 def test_continued_keys_equal_the_whole_prompts(case, seed, salt, lora, model, as_array, more) -> None:  # type: ignore[no-untyped-def]
     bs, ahead, tokens, split, extras = case
     tp = TokenProcessor(bs, hash_seed=seed, hash_lookahead_tokens=ahead)
@@ -50,7 +50,7 @@ def test_continued_keys_equal_the_whole_prompts(case, seed, salt, lora, model, a
         earlier_extras = list(extras[:kept])
         earlier_extras += [None] * (n_earlier - len(earlier_extras))
     prefix = tp.request_keys(earlier, block_extra_keys=earlier_extras, **scope)[: split // bs]
-    given_tokens = np.array(tokens, dtype=np.uint64) if as_array else tokens
+    given_tokens = np.array(tokens, dtype=as_array) if as_array else tokens
     got = tp.request_keys(given_tokens, block_extra_keys=extras, prefix_keys=prefix, **scope)
     assert got.dtype == np.uint64 and got.tolist() == full.tolist()
     assert tp.request_keys(given_tokens, block_extra_keys=extras, prefix_keys=[], **scope).tolist() == full.tolist()
@@ -61,6 +61,8 @@ def test_continued_keys_check_the_new_tokens_and_the_prefix() -> None:
     prefix = tp.request_keys(list(range(8)))
     with pytest.raises(ValueError):
         tp.request_keys(list(range(8)) + [1, -2, 3, 4], prefix_keys=prefix)
+    with pytest.raises(ValueError):
+        tp.request_keys(np.array([1, -2, 3, 4] * 3), prefix_keys=[])
     with pytest.raises(TypeError):
         tp.request_keys(list(range(8)) + [1, "x", 3, 4], prefix_keys=prefix)
     with pytest.raises(ValueError):

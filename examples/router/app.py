@@ -75,10 +75,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.registry import Collector
 
 from examples.router.answers import answer_cached_tokens, relay_stream
 from examples.router.bodies import decode_all_but_messages, decode_body
+from examples.router.collector import IndexerCollector
 from examples.router.config import (
     EngineSpec,
     RouterConfig,
@@ -190,28 +190,6 @@ class Decision(msgspec.Struct, kw_only=True):
     duration_ms: float | None = None
 
 
-class _IndexerCollector(Collector):
-    """Serves the embedded indexer's library metrics (:mod:`kvindex.facade.metrics`), read at scrape time.
-
-    A proxy rather than registering ``indexer.metrics`` itself, because the
-    indexer is built in :meth:`Router.start`, after the registry.
-    """
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        """The indexer's families (nothing before :meth:`Router.start`)."""
-        ix = self._router.indexer
-        if ix is None:
-            return
-        yield from ix.metrics.collect()
-
-    def describe(self):  # type: ignore[no-untyped-def]
-        """No fixed description: families are produced at scrape time."""
-        return []
-
-
 # -- the router ----------------------------------------------------------------
 
 
@@ -315,7 +293,7 @@ class Router:
             registry=r,
         )
         self._engine_counters: dict[str, tuple[float, float]] = {}  # pod -> last (hits, queries)
-        r.register(_IndexerCollector(self))
+        r.register(IndexerCollector(self))
         for pod in self.engines:
             self.m_in_flight.labels(pod).set(0)
             self.m_healthy.labels(pod).set(0)
