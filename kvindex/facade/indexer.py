@@ -454,12 +454,12 @@ class Indexer:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
         t0 = time.perf_counter()
-        given = keys is not None
-        fast = self._token_match and (given or (block_extra_keys is None and not cache_salt))
-        if given:
-            keys = self._checked_keys(keys, len(tokens))
-        elif not fast:
-            keys = self.request_keys(
+        known: np.ndarray | None = None
+        if keys is not None:
+            known = self._checked_keys(keys, len(tokens))
+        fast = self._token_match and (known is not None or (block_extra_keys is None and not cache_salt))
+        if known is None and not fast:
+            known = self.request_keys(
                 tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
             )
         mname = model if model is not None else self.config.model_name
@@ -468,8 +468,10 @@ class Indexer:
         candidates = self._candidates(pods, loads)
         ranks: dict[str, int] | None = None
         if fast:
-            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora, keys)
+            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora, known)
         else:
+            assert known is not None
+            keys = known
             prefix = self._match(keys, candidates, len(tokens), mname)
         choice = self._choose(prefix, loads, candidates, len(tokens), keys, ranks)
         self.metrics.observe_score(
@@ -515,7 +517,7 @@ class Indexer:
             keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
                 tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
         else:
-            summary = self.index.prefix_summary(  # type: ignore[union-attr]
+            summary = self.index.prefix_summary(  # type: ignore[attr-defined]
                 keys, candidates, self._bit_weights(), dp_ranks=ranks) if len(keys) and candidates else {}
         if not len(keys):
             return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
