@@ -638,7 +638,7 @@ class Router:
         self.indexer.request_finished(decision.pod)
         if decision.full_report and self.healing is not None:
             self.healing.full_report_done(decision.pod, None, self.model)
-        self._children(decision.pod, decision.path)[3].dec()
+        self.m_in_flight.labels(decision.pod).dec()
         if status >= 500:
             self.m_upstream_errors.labels(decision.pod).inc()
 

@@ -26,13 +26,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvindex.tokenize.render_cache import Cold
 
 ANCHOR_CHARS = 256
 """A text is looked up by its first characters; shorter texts are encoded whole."""
 
 
-class Memo:
+class Memo(msgspec.Struct):
     """A slot kept with a cached text's ids for what a caller derives from them.
 
     ``value``: None until the caller sets it (e.g. the router: the index's
@@ -40,10 +42,7 @@ class Memo:
     cached text; the cache's bounds do not count it.
     """
 
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: Any = None
+    value: Any = None
 
 
 @dataclass
