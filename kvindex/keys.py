@@ -165,6 +165,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kvindex.accel import native
 from kvindex.key_extras import _fresh, _normalise_extras
 
 __all__ = [
@@ -458,6 +459,7 @@ class TokenProcessor:
         lora: str | tuple[str, str] | None = None,
         block_extra_keys: Sequence[Sequence[Any] | None] | None = None,
         cache_salt: str | None = None,
+        prefix_keys: Sequence[int] | np.ndarray | None = None,
     ) -> np.ndarray:
         """Request keys of a prompt: uint64 array, shape ``(len(tokens) // block_size,)``.
 
@@ -475,10 +477,18 @@ class TokenProcessor:
         ``hash_lookahead_tokens`` L, only ``(len(tokens) - L) // block_size``
         blocks get a key (the engine hashes no block before L tokens follow it).
 
+        ``prefix_keys``: the keys of a previous prompt (same model, LoRA, salt
+        and extras) whose first ``len(prefix_keys) * block_size`` tokens are
+        those of ``tokens``; ``"xxh3_chain"`` keeps them and hashes only the
+        blocks after them (the caller vouches for the equal prefix: its ids
+        are not read). Compat mode ignores them.
+
         Raises TypeError for wrongly typed tokens/extras, ValueError for
         negative token ids, a wrong number of extras entries, a salt given
         twice, or (compat mode) a LoRA name without a known path.
         """
+        if prefix_keys is not None and not self.engine_compatible:
+            return self._continue_keys(tokens, prefix_keys, model, lora, block_extra_keys, cache_salt)
         toks = _tokens_to_u64(tokens)
         bs = self.block_size
         n = max(toks.shape[0] - self.hash_lookahead_tokens, 0) // bs
@@ -491,6 +501,33 @@ class TokenProcessor:
         if n == 0:
             return _EMPTY.copy()
         return self._xxh3_keys(self._root(model, lora), toks, n, extras)
+
+    def _continue_keys(self, tokens: Any, prefix_keys: Any, model: str | None, lora: Any,
+                       block_extra_keys: Any, cache_salt: str | None) -> np.ndarray:
+        """:meth:`request_keys` of ``tokens`` whose first blocks have ``prefix_keys`` (xxh3_chain)."""
+        bs, total = self.block_size, len(tokens)
+        n = max(total - self.hash_lookahead_tokens, 0) // bs
+        extras = _normalise_extras(block_extra_keys, n, (n, total // bs, -(-total // bs)), cache_salt)
+        self._check_scope(model, lora)
+        head = np.asarray(prefix_keys, dtype=np.uint64)
+        if head.ndim != 1:
+            raise ValueError("prefix_keys must be 1-D")
+        m = min(len(head), n)
+        if m == n:
+            return head[:m].copy()
+        state = int(head[m - 1]) if m else self._root(model, lora)
+        more = extras[m:] if extras is not None and any(e is not None for e in extras[m:]) else None
+        new = None
+        if more is None and native is not None and isinstance(tokens, (list, np.ndarray)):
+            rest = tokens[m * bs :] if m else tokens  # keys of its whole blocks, cut to n below
+            try:  # an array as _tokens_to_u64 checks it (no negative ids); a list is checked in C
+                rest = _tokens_to_u64(rest) if isinstance(rest, np.ndarray) else rest
+                new = np.frombuffer(native.xxh3_chain(state, rest, self._K, self._A), dtype=np.uint64)[: n - m]
+            except (TypeError, ValueError, OverflowError):
+                new = None  # the reference path below raises the documented errors
+        if new is None:
+            new = self._xxh3_keys(state, _tokens_to_u64(tokens[m * bs : n * bs]), n - m, more)
+        return np.concatenate((head[:m], new)) if m else new.copy()
 
     def chain(
         self,

@@ -470,27 +470,32 @@ class NativeKVBlockIndex(SideTables, GroupsMixin):
             return out
 
     def prefix_summary(
-        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None, weights: Sequence[float]
+        self, request_keys: Sequence[int] | np.ndarray, pods: Collection[str] | None, weights: Sequence[float],
+        *, dp_ranks: dict[str, int] | None = None,
     ) -> dict[str, tuple[int, float, int]]:
         """Per pod with a match: (matched blocks, weighted blocks, OR of the tier masks).
 
         ``weights[b]`` is the weight of tier bit ``b`` (:data:`kvindex.tiers.TIERS`
         order); a block weighs its best tier.  Same match and recency refresh
-        as :meth:`prefix_match`, without a list per block.
+        as :meth:`prefix_match`, without a list per block.  ``dp_ranks``: as
+        :meth:`match_tokens`'s.
         """
         if len(request_keys) == 0:
             return {}
         keys = _as_keys(request_keys)
         cands = None if pods is None else list(pods)
         w = list(weights)
+        ranks = dp_ranks is not None and not (self._spec_by_pod or self._held)
         res = None
         if not (self._spec_by_pod or self._held):
-            res = self._core.prefix_summary(keys, cands, w, True, True)
+            res = self._core.prefix_summary(keys, cands, w, True, True, ranks)
         if res is None:
             with self._lock:
                 if self._spec_by_pod or self._held:
                     return _summarise(self.prefix_match(keys, pods), w)
-                res = self._core.prefix_summary(keys, cands, w, True)
+                res = self._core.prefix_summary(keys, cands, w, True, False, ranks)
+        if ranks and res[2]:
+            dp_ranks.update(res[2])  # type: ignore[union-attr]
         return res[0]
 
     def match_tokens(

@@ -75,10 +75,10 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.registry import Collector
 
 from examples.router.answers import answer_cached_tokens, relay_stream
 from examples.router.bodies import decode_all_but_messages, decode_body
+from examples.router.collector import IndexerCollector
 from examples.router.config import (
     EngineSpec,
     RouterConfig,
@@ -87,6 +87,7 @@ from examples.router.config import (
     parse_engine_arg,
 )
 from examples.router.engine_tokenizer import adopt_engine_tokenizer, engine_model_root
+from examples.router.turn_keys import turn_request_keys
 from examples.router.upstream import HOP_BY_HOP, engine_session, post_upstream
 from kvindex.facade import Indexer
 from kvindex.facade.healing import HealingPolicy, with_full_report
@@ -94,7 +95,7 @@ from scorer.load import fetch_load
 from scorer.prefix import predicted_cached_tokens, reads_prefix_cache
 
 if TYPE_CHECKING:
-    from kvindex.tokenize import RequestTokenizer
+    from kvindex.tokenize import RequestTokenizer, TokenizedRequest
 
 __all__ = [
     "Decision",
@@ -189,28 +190,6 @@ class Decision(msgspec.Struct, kw_only=True):
     duration_ms: float | None = None
 
 
-class _IndexerCollector(Collector):
-    """Serves the embedded indexer's library metrics (:mod:`kvindex.facade.metrics`), read at scrape time.
-
-    A proxy rather than registering ``indexer.metrics`` itself, because the
-    indexer is built in :meth:`Router.start`, after the registry.
-    """
-
-    def __init__(self, router: Router) -> None:
-        self._router = router
-
-    def collect(self):  # type: ignore[no-untyped-def]
-        """The indexer's families (nothing before :meth:`Router.start`)."""
-        ix = self._router.indexer
-        if ix is None:
-            return
-        yield from ix.metrics.collect()
-
-    def describe(self):  # type: ignore[no-untyped-def]
-        """No fixed description: families are produced at scrape time."""
-        return []
-
-
 # -- the router ----------------------------------------------------------------
 
 
@@ -280,6 +259,7 @@ class Router:
             registry=r,
         )
         self.m_in_flight = Gauge("kvindex_router_in_flight", "Requests in flight, by pod.", ["pod"], registry=r)
+        self._metric_children: dict[tuple[str, str], tuple[Any, Any, Any, Any]] = {}
         self.m_waiting = Gauge("kvindex_router_engine_waiting", "Engine-reported waiting requests.", ["pod"], registry=r)
         self.m_running = Gauge("kvindex_router_engine_running", "Engine-reported running requests.", ["pod"], registry=r)
         self.m_kv_usage = Gauge(
@@ -313,7 +293,7 @@ class Router:
             registry=r,
         )
         self._engine_counters: dict[str, tuple[float, float]] = {}  # pod -> last (hits, queries)
-        r.register(_IndexerCollector(self))
+        r.register(IndexerCollector(self))
         for pod in self.engines:
             self.m_in_flight.labels(pod).set(0)
             self.m_healthy.labels(pod).set(0)
@@ -492,16 +472,23 @@ class Router:
         event loop, as it costs about its new tokens, anything else off it).
         ``raw``: the JSON text ``body`` was decoded from, if the caller has it.
         """
+        ids, source, _ = await self._prompt_ids(path, body, raw)
+        return ids, source
+
+    async def _prompt_ids(self, path: str, body: Mapping[str, Any], raw: bytes | None
+                          ) -> tuple[list[int] | None, str, TokenizedRequest | None]:
+        """:meth:`prompt_token_ids`, plus the local tokenizer's result when its ids are the ones given."""
         if self.tokenizer is not None and not _ids_given(path, body):
             local = self.tokenizer.tokenize_warm(path, body, raw=raw)
             if local is None:
                 local = await asyncio.to_thread(self.tokenizer.tokenize, path, dict(body), raw=raw)
             if local.exact and local.token_ids:
                 self.m_local_tokenize.labels("exact").inc()
-                return local.token_ids, "local"
+                return local.token_ids, "local", local
             self.m_local_tokenize.labels("fallback").inc()
             log.debug("router: local tokenization not exact (%s): asking /tokenize", local.reason)
-        return await self._engine_or_given_ids(path, body)
+        ids, source = await self._engine_or_given_ids(path, body)
+        return ids, source, None
 
     async def engine_token_ids(self, path: str, body: Mapping[str, Any]) -> list[int] | None:
         """The ids an engine's ``/tokenize`` gives for a request body (None when none answered)."""
@@ -577,11 +564,14 @@ class Router:
         stream: bool = False,
         cache_salt: str | None = None,
         reads_cache: bool = True,
+        local: TokenizedRequest | None = None,
     ) -> Decision:
         """Score the candidates, pick a pod, count the request in flight there and log the decision.
 
         ``reads_cache`` False (see :func:`reads_prefix_cache`): the engine will compute the
         whole prompt wherever it goes, so the pods are scored on load alone.
+        ``local``: the tokenizer's result ``tokens`` came from (its cache memos
+        carry request keys from turn to turn: examples/router/turn_keys.py).
         The caller must call :meth:`finish` with the decision when the request ends.
         """
         assert self.indexer is not None
@@ -589,7 +579,8 @@ class Router:
         ids = tokens if type(tokens) is list else list(tokens or [])  # not copied: only read here
         candidates = self.candidates()
         salt = cache_salt if isinstance(cache_salt, str) and cache_salt else None
-        result = self.indexer.score(ids if reads_cache else [], candidates, cache_salt=salt)
+        keys = turn_request_keys(self.indexer, ids, salt, local) if reads_cache and local is not None else None
+        result = self.indexer.score(ids if reads_cache else [], candidates, cache_salt=salt, keys=keys)
         assert result.pod is not None
         pod = result.pod
         if self.config.policy == "round_robin":
@@ -623,12 +614,21 @@ class Router:
             route_ms=(time.perf_counter() - start) * 1000.0,
         )
         self.decisions.append(decision)
-        self.m_requests.labels(pod, path).inc()
-        self.m_predicted.labels(pod).inc(decision.predicted_cached_tokens)
-        self.m_prompt.labels(pod).inc(len(ids))
+        requests, predicted, prompt, in_flight = self._children(pod, path)
+        requests.inc()
+        predicted.inc(decision.predicted_cached_tokens)
+        prompt.inc(len(ids))
         self.m_predicted_hist.observe(decision.predicted_cached_tokens)
-        self.m_in_flight.labels(pod).inc()
+        in_flight.inc()
         return decision
+
+    def _children(self, pod: str, path: str) -> tuple[Any, Any, Any, Any]:
+        """A routed request's metric children (requests, predicted, prompt, in flight), looked up once."""
+        got = self._metric_children.get((pod, path))
+        if got is None:
+            got = self._metric_children[(pod, path)] = (self.m_requests.labels(pod, path), self.m_predicted.labels(
+                pod), self.m_prompt.labels(pod), self.m_in_flight.labels(pod))
+        return got
 
     def finish(self, decision: Decision, status: int, started: float) -> None:
         """Record the end of a routed request (status, duration) and release its in-flight slot."""
@@ -668,16 +668,17 @@ class Router:
         """Proxy ``/v1/completions`` and ``/v1/chat/completions`` to the chosen engine."""
         started = time.perf_counter()
         raw = await request.read()
-        warm = self._warm_turn(request.path, raw)
+        warm = self._warm_local(request.path, raw)
         tokens: list[int] | None
         if warm is not None:  # a conversation's next turn, its earlier messages never decoded
-            body, tokens, source = *warm, "local"
+            body, local = warm
+            tokens, source = local.token_ids, "local"
         else:
             body = decode_body(raw)
-            tokens, source = await self.prompt_token_ids(request.path, body, raw)
+            tokens, source, local = await self._prompt_ids(request.path, body, raw)
         decision = self.choose(
             request.path, tokens, source, stream=bool(body.get("stream")), cache_salt=body.get("cache_salt"),
-            reads_cache=reads_prefix_cache(request.path, body),
+            reads_cache=reads_prefix_cache(request.path, body), local=local,
         )
         if (self.healing is not None and (body or warm is not None)
                 and self.healing.wants_full_report(decision.pod, None, self.model)):
@@ -702,6 +703,11 @@ class Router:
         What :meth:`prompt_token_ids` gives such a request, without decoding the
         messages the caches prove byte for byte (:meth:`RequestTokenizer.tokenize_warm`).
         """
+        warm = self._warm_local(path, raw)
+        return (warm[0], warm[1].token_ids) if warm is not None else None
+
+    def _warm_local(self, path: str, raw: bytes) -> tuple[dict[str, Any], TokenizedRequest] | None:
+        """:meth:`_warm_turn` with the tokenizer's whole result."""
         tok = self.tokenizer
         if tok is None or tok.renders is None or tok.cache is None or not path.endswith("/chat/completions"):
             return None
@@ -712,7 +718,7 @@ class Router:
         if local is None or not local.exact or not local.token_ids:
             return None
         self.m_local_tokenize.labels("exact").inc()
-        return split[0], local.token_ids
+        return split[0], local
 
     def _decision_headers(self, decision: Decision) -> dict[str, str]:
         return {

@@ -403,14 +403,20 @@ class Indexer:
         lora: str | None = None,
         block_extra_keys: Sequence[Sequence | None] | None = None,
         cache_salt: str | None = None,
+        prefix_keys: Sequence[int] | np.ndarray | None = None,
     ) -> np.ndarray:
-        """Request keys (uint64 array, one per full block) of a prompt; model defaults to config.model_name."""
+        """Request keys (uint64 array, one per full block) of a prompt; model defaults to config.model_name.
+
+        ``prefix_keys``: keys of an earlier prompt that ``tokens`` extends (same
+        scope, salt and extras), not hashed again (``TokenProcessor.request_keys``).
+        """
         return self.token_processor.request_keys(
             tokens,
             model=model if model is not None else self.config.model_name,
             lora=lora,
             block_extra_keys=block_extra_keys,
             cache_salt=cache_salt,
+            prefix_keys=prefix_keys,
         )
 
     def score(
@@ -423,6 +429,7 @@ class Indexer:
         block_extra_keys: Sequence[Sequence | None] | None = None,
         cache_salt: str | None = None,
         loads: Mapping[str, LoadSnapshot] | None = None,
+        keys: np.ndarray | None = None,
     ) -> Score:
         """Score candidate pods for a prompt and pick one.
 
@@ -436,6 +443,8 @@ class Indexer:
             block_extra_keys, cache_salt: see kvindex.keys.TokenProcessor.
             loads: load per pod; None = the indexer's own table
                 (:meth:`update_load` + in-flight counts).
+            keys: the prompt's :meth:`request_keys` (same model, lora, extras
+                and salt) when the caller has them: not computed again.
 
         Returns:
             :class:`Score` with every candidate's prefix score and the choice.
@@ -445,18 +454,24 @@ class Indexer:
             TypeError / ValueError: bad tokens or arguments (from the token processor).
         """
         t0 = time.perf_counter()
-        fast = self._token_match and block_extra_keys is None and not cache_salt
-        keys = None if fast else self.request_keys(
-            tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
-        )
+        known: np.ndarray | None = None
+        if keys is not None:
+            known = self._checked_keys(keys, len(tokens))
+        fast = self._token_match and (known is not None or (block_extra_keys is None and not cache_salt))
+        if known is None and not fast:
+            known = self.request_keys(
+                tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+            )
         mname = model if model is not None else self.config.model_name
         self._check_model(mname)
         loads = self.loads() if loads is None else _checked_loads(loads)
         candidates = self._candidates(pods, loads)
         ranks: dict[str, int] | None = None
-        if keys is None:
-            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora)
+        if fast:
+            keys, prefix, ranks = self._match_fast(tokens, candidates, mname, lora, known)
         else:
+            assert known is not None
+            keys = known
             prefix = self._match(keys, candidates, len(tokens), mname)
         choice = self._choose(prefix, loads, candidates, len(tokens), keys, ranks)
         self.metrics.observe_score(
@@ -480,14 +495,30 @@ class Indexer:
             raise TypeError("pods must be a collection of pod ids (str)")
         return list(dict.fromkeys(pods))
 
+    def _checked_keys(self, keys: np.ndarray, prompt_tokens: int) -> np.ndarray:
+        """``keys`` given to :meth:`score` as a uint64 array; ValueError unless one per keyed block."""
+        arr = np.asarray(keys)
+        if arr.dtype != np.uint64:
+            arr = arr.astype(np.uint64)
+        tp = self.token_processor
+        want = max(prompt_tokens - getattr(tp, "hash_lookahead_tokens", 0), 0) // tp.block_size
+        if arr.ndim != 1 or len(arr) != want:
+            raise ValueError(f"keys: {want} request keys expected for {prompt_tokens} tokens, got shape {arr.shape}")
+        return arr
+
     def _match_fast(
-        self, tokens: Sequence[int] | np.ndarray, candidates: list[str], model: str | None, lora: str | None
+        self, tokens: Sequence[int] | np.ndarray, candidates: list[str], model: str | None, lora: str | None,
+        keys: np.ndarray | None = None,
     ) -> tuple[np.ndarray, dict[str, PrefixScore], dict[str, int]]:
-        """The compiled read path: keys, every candidate's match and the DP rank of each pod whose
-        match one rank holds, in one call."""
+        """The compiled read path: keys (unless given), every candidate's match and the DP rank of
+        each pod whose match one rank holds, in one call."""
         ranks: dict[str, int] = {}
-        keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
-            tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
+        if keys is None:
+            keys, summary = self.index.match_tokens(  # type: ignore[union-attr]
+                tokens, candidates, self._bit_weights(), model=model, lora=lora, dp_ranks=ranks)
+        else:
+            summary = self.index.prefix_summary(  # type: ignore[attr-defined]
+                keys, candidates, self._bit_weights(), dp_ranks=ranks) if len(keys) and candidates else {}
         if not len(keys):
             return keys, {p: PrefixScore(pod=p) for p in candidates}, ranks
         prefix = self._prefix_from_summary(summary, len(keys), candidates)
@@ -611,6 +642,7 @@ class Indexer:
         block_extra_keys: Sequence[Sequence | None] | None = None,
         cache_salt: str | None = None,
         loads: Mapping[str, LoadSnapshot] | None = None,
+        keys: np.ndarray | None = None,
     ) -> Score:
         """:meth:`score`, then count the request in flight on the chosen pod and,
         when ``speculative_ttl`` > 0, mark its blocks as speculatively held there.

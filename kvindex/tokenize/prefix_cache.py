@@ -26,10 +26,23 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvindex.tokenize.render_cache import Cold
 
 ANCHOR_CHARS = 256
 """A text is looked up by its first characters; shorter texts are encoded whole."""
+
+
+class Memo(msgspec.Struct):
+    """A slot kept with a cached text's ids for what a caller derives from them.
+
+    ``value``: None until the caller sets it (e.g. the router: the index's
+    request keys of those ids, with what they depend on). Dropped with the
+    cached text; the cache's bounds do not count it.
+    """
+
+    value: Any = None
 
 
 @dataclass
@@ -38,6 +51,7 @@ class _Entry:
     ids: list[int]  # the token ids (shared with the lists handed out: no copy per request)
     cut_chars: list[int]  # char offsets of the cut points, ascending
     cut_tokens: list[int]  # index in ids of the token starting at each cut
+    memo: Memo = field(default_factory=Memo)
 
 
 @dataclass
@@ -100,10 +114,17 @@ class PrefixCache:
         ``limit``: raise :class:`Cold` rather than encode more than ``limit``
         characters of a text longer than that.
         """
+        ids, reused, _, _ = self.encode_memo(text, limit=limit)
+        return ids, reused
+
+    def encode_memo(self, text: str, *, limit: int | None = None
+                    ) -> tuple[list[int], int, Memo | None, Memo | None]:
+        """:meth:`encode`, plus the :class:`Memo` of the cached text the reused ids came from
+        (None when none were) and the memo kept with ``text``'s ids (None: not cached)."""
         if not self._cuts or len(text) < ANCHOR_CHARS:
             if limit is not None and len(text) > limit:
                 raise Cold("the text is encoded whole")
-            return self._backend.encode(text, add_special_tokens=False).ids, 0
+            return self._backend.encode(text, add_special_tokens=False).ids, 0, None, None
         anchor = text[:ANCHOR_CHARS]
         with self._lock:
             best = self._best_cut(text, self._by_anchor.get(anchor, []))
@@ -140,8 +161,9 @@ class PrefixCache:
             full = prefix_ids
         else:
             full = ids
-        self._store(anchor, _Entry(text, full, chars, toks), best[0] if best else None)
-        return full, reused
+        entry = _Entry(text, full, chars, toks)
+        self._store(anchor, entry, best[0] if best else None)
+        return full, reused, best[0].memo if best else None, entry.memo
 
     def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
         """Encode ``text[start:]``; its ids, and its cut points shifted by ``start``."""

@@ -36,7 +36,7 @@ import msgspec
 
 from kvindex.tokenize import messages as msgs
 from kvindex.tokenize.messages import ContentFormat, Inexact
-from kvindex.tokenize.prefix_cache import CacheStats, PrefixCache
+from kvindex.tokenize.prefix_cache import CacheStats, Memo, PrefixCache
 from kvindex.tokenize.render_cache import Cold, RenderCache
 
 CHAT_PATHS = ("/v1/chat/completions",)
@@ -51,13 +51,26 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     and /tokenize; a completions batch gives one per prompt); empty when
     ``exact`` is False. ``reason``: why not
     exact. ``reused_tokens``: ids taken from the multi-turn cache (the rest
-    were encoded for this request).
+    were encoded for this request). ``reused_memo``: the cache's
+    :class:`~kvindex.tokenize.prefix_cache.Memo` of the text those ids came
+    from; ``memo``: the one kept with these ids (None: not cached).
     """
 
     prompts: list[list[int]]
     exact: bool
     reason: str = ""
     reused_tokens: int = 0
+    reused_memo: Memo | None = None
+    memo: Memo | None = None
+
+    def __eq__(self, other: object) -> bool:
+        """Equal ids, exactness, reason and reuse (the memos are cache slots, not part of the result)."""
+        if type(other) is not TokenizedRequest:
+            return NotImplemented
+        return (self.prompts == other.prompts and self.exact == other.exact and self.reason == other.reason
+                and self.reused_tokens == other.reused_tokens)
+
+    __hash__ = None  # type: ignore[assignment]  # the prompts are lists
 
     @property
     def token_ids(self) -> list[int]:
@@ -240,8 +253,8 @@ class RequestTokenizer:
             raise Inexact("invalid request: add_special_tokens is not a boolean")
         if add_special or self.cache is None:
             return TokenizedRequest(prompts=[self.encode(text, add_special_tokens=add_special)], exact=True)
-        ids, reused_n = self.cache.encode(text, limit=limit)
-        return TokenizedRequest(prompts=[ids], exact=True, reused_tokens=reused_n)
+        ids, reused_n, source, memo = self.cache.encode_memo(text, limit=limit)
+        return TokenizedRequest(prompts=[ids], exact=True, reused_tokens=reused_n, reused_memo=source, memo=memo)
 
     def _template_for(self, body: Mapping[str, Any], tools: list[dict[str, Any]] | None) -> str:
         kwargs = body.get("chat_template_kwargs") or {}
