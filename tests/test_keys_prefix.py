@@ -9,6 +9,7 @@ lookahead and either kind of token container. Also the router's use of it
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -97,7 +98,7 @@ def test_score_from_keys_equals_score_from_tokens() -> None:
        salt=st.sampled_from([None, "s"]), block=st.sampled_from([1, 3, 16]))
 def test_the_routers_turn_keys_equal_request_keys(tok_dir, turns, salt, block) -> None:  # type: ignore[no-untyped-def]
     from examples.router.turn_keys import turn_request_keys
-    from kvindex.tokenize import RequestTokenizer
+    from kvindex.tokenize import RequestTokenizer, TokenizedRequest
 
     tok = RequestTokenizer(tok_dir)
     ix = Indexer(Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": block}}))
@@ -110,6 +111,9 @@ def test_the_routers_turn_keys_equal_request_keys(tok_dir, turns, salt, block) -
         keys = turn_request_keys(ix, ids, salt, local)
         assert keys is not None and keys.tolist() == ix.request_keys(ids, cache_salt=salt).tolist()
         assert local.memo is not None and local.memo.value[1] is keys
+        # the filled memos are not part of the result: it encodes and decodes as before
+        back = msgspec.json.decode(msgspec.json.encode(local), type=TokenizedRequest)
+        assert back == local and back.token_ids == ids and back.memo is not None and back.memo.value is None
         continued += i > 0 and local.reused_memo is not None and local.reused_tokens >= block
     assert continued >= 1  # later turns reused the earlier turns' ids (and keys)
 

@@ -34,15 +34,18 @@ ANCHOR_CHARS = 256
 """A text is looked up by its first characters; shorter texts are encoded whole."""
 
 
-class Memo(msgspec.Struct):
+class Memo(msgspec.Struct, dict=True):
     """A slot kept with a cached text's ids for what a caller derives from them.
 
     ``value``: None until the caller sets it (e.g. the router: the index's
-    request keys of those ids, with what they depend on). Dropped with the
-    cached text; the cache's bounds do not count it.
+    request keys of those ids, with what they depend on). An attribute, not a
+    field: a memo encodes as ``{}`` whatever it holds, so results that carry
+    one still encode. Dropped with the cached text; the cache's bounds do not
+    count it.
     """
 
-    value: Any = None
+    def __post_init__(self) -> None:
+        self.value: Any = None
 
 
 @dataclass
