@@ -58,12 +58,8 @@ IndexCore::ApplyOut IndexCore::apply_events(
 
     BatchCounts c;
     size_t applied;
-    size_t blocks = 0;
-    for (const BatchEvent& e : evs) blocks += e.kind == 2 ? NOGIL_MIN_BLOCKS : e.eks.n;  // a clear may be long
     {
-        // as apply_raw: a batch of a few blocks keeps the GIL
-        std::optional<nb::gil_scoped_release> nogil;
-        if (blocks >= NOGIL_MIN_BLOCKS) nogil.emplace();
+        nb::gil_scoped_release nogil;  // as apply_raw: every write gives the GIL up
         applied = apply_locked(pod, rank, mid, evs, root, K, A, c);
     }
     return apply_out(start + applied, c);
@@ -82,15 +78,13 @@ IndexCore::ApplyOut IndexCore::apply_raw(const std::string& pod, int32_t rank, u
     BatchCounts c;
     size_t applied;
     size_t n = rb.evs.size();
-    size_t blocks = 0;
-    for (size_t i = start; i < n; ++i) blocks += rb.evs[i].kind == 2 ? NOGIL_MIN_BLOCKS : rb.evs[i].h_n;
     {
-        // a batch of a few blocks keeps the GIL (as reads of fewer than NOGIL_MIN_BLOCKS do): its
-        // apply takes microseconds, and giving the GIL up for it lets another writer thread take
-        // the GIL only to wait for this one's lock, then wait for the GIL again (a convoy that made
-        // two pool shards slower than one)
-        std::optional<nb::gil_scoped_release> nogil;
-        if (blocks >= NOGIL_MIN_BLOCKS) nogil.emplace();
+        // every write gives the GIL up, however small: a thread waiting for it (a router's score)
+        // gets it within about one message.  A pool shard that kept it for small batches made
+        // such a thread wait for the interpreter's switch interval (5 ms); and one that gave it
+        // up only now and then starved the waiter, whose wait for the GIL starts over at each
+        // release it loses (docs/design.md, "Locks")
+        nb::gil_scoped_release nogil;
         std::vector<BatchEvent> evs;
         evs.reserve(n > start ? n - start : 0);
         const u64* d = rb.data.data();

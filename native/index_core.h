@@ -68,8 +68,7 @@ class IndexCore {
     // One decoded batch of publisher (pod, rank, model id `mid`), applied from events[start:] in
     // one call: BlockStored (with tokens, no extra keys, no LoRA, known tier, right block size),
     // BlockRemoved and AllBlocksCleared.  The events are read with the GIL held, then applied in
-    // order under one exclusive lock, the GIL released when the batch has NOGIL_MIN_BLOCKS blocks
-    // or more or a clear (as apply_raw).  Stops before the first event it does
+    // order under one exclusive lock with the GIL released (as apply_raw).  Stops before the first event it does
     // not take (another kind, an unknown tier, extra keys, a token-less store, a malformed one) or,
     // in xxh3_chain mode, whose parent engine key is unknown: the caller applies that one in Python
     // and calls again from the next.  Returns (next index, stored events, stored blocks, removed
@@ -91,8 +90,7 @@ class IndexCore {
 
     // apply_events for a RawBatch (kvevents/fastwire.py: the integers read from msgpack without
     // Python objects), from event `start`: the same checks, order, stops and answer; the GIL is
-    // released for the whole apply when the batch has NOGIL_MIN_BLOCKS blocks or more or a clear
-    // (a smaller one keeps it, as reads do).
+    // released for the whole apply, however small (see index_apply.cpp).
     ApplyOut apply_raw(const std::string& pod, int32_t rank, uint16_t mid, const RawBatch& rb, size_t start,
                        u64 root, nb::bytes K_b, u64 A);
 
