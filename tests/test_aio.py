@@ -26,7 +26,9 @@ def test_async_start_flush_score_stop() -> None:
             async with AsyncIndexer(cfg) as ix:
                 assert await ix.flush(timeout=10.0)
                 res = ix.score(list(range(300)), pods=["pod-a", "pod-b"])
-                routed = ix.route(list(range(300)), pods=["pod-a"])
+                keys = ix.indexer.request_keys(list(range(300)))
+                assert ix.score(list(range(300)), pods=["pod-a", "pod-b"], keys=keys) == res  # keys given
+                routed = ix.route(list(range(300)), pods=["pod-a"], keys=keys)
                 ix.request_finished(routed.pod)
             t.cancel()
             return res.pod, res.prefix["pod-a"].matched_tokens, ticks
