@@ -166,6 +166,7 @@ import numpy as np
 import xxhash
 
 from kvindex.accel import native
+from kvindex.id_arrays import _EMPTY, _keys_to_u64, _tokens_to_u64
 from kvindex.key_extras import _fresh, _normalise_extras
 
 __all__ = [
@@ -189,7 +190,6 @@ _FMIX_M2: Final = 0xC4CEB9FE1A85EC53
 _U33: Final = np.uint64(33)
 _NP_M1: Final = np.uint64(_FMIX_M1)
 _NP_M2: Final = np.uint64(_FMIX_M2)
-_EMPTY: Final = np.empty(0, dtype=np.uint64)
 _rshift: Final = np.right_shift
 _xor: Final = np.bitwise_xor
 _mul: Final = np.multiply
@@ -318,39 +318,6 @@ def extra_keys_from_event(
 
 # ---------------------------------------------------------------------------
 # argument normalisation
-
-
-def _tokens_to_u64(tokens: Any) -> np.ndarray:
-    """1-D uint64 array of token ids (a view where possible, never a Python loop)."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        kind = tokens.dtype.kind
-        if tokens.size == 0 and kind in "uif":
-            return _EMPTY.copy()  # np.array([]) is float64: an empty prompt all the same
-        if kind == "u":
-            return tokens if tokens.dtype == np.uint64 else tokens.astype(np.uint64)
-        if kind == "i":
-            if tokens.size and tokens.min() < 0:
-                raise ValueError("token ids must be >= 0")
-            if tokens.dtype == np.int64:
-                return tokens.view(np.uint64)
-            return tokens.astype(np.uint64)
-        raise TypeError(f"tokens must have an integer dtype, got {tokens.dtype}")
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
-        tokens, (list, tuple, range, Sequence)
-    ):
-        raise TypeError(
-            f"tokens must be a list/tuple of ints or a 1-D integer numpy array, "
-            f"got {type(tokens).__name__}"
-        )
-    try:
-        buf = array.array("Q", tokens)
-    except OverflowError as e:
-        raise ValueError("token ids must be in [0, 2**64)") from e
-    except TypeError as e:
-        raise TypeError(f"tokens must be ints: {e}") from e
-    return np.frombuffer(buf, dtype=np.uint64)
 
 
 # ---------------------------------------------------------------------------
@@ -505,28 +472,27 @@ class TokenProcessor:
     def _continue_keys(self, tokens: Any, prefix_keys: Any, model: str | None, lora: Any,
                        block_extra_keys: Any, cache_salt: str | None) -> np.ndarray:
         """:meth:`request_keys` of ``tokens`` whose first blocks have ``prefix_keys`` (xxh3_chain)."""
+        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
+                tokens, (list, tuple, range, Sequence, np.ndarray)):
+            raise TypeError(f"tokens must be a list/tuple of ints or a 1-D integer numpy array, "
+                            f"got {type(tokens).__name__}")
         bs, total = self.block_size, len(tokens)
         n = max(total - self.hash_lookahead_tokens, 0) // bs
         extras = _normalise_extras(block_extra_keys, n, (n, total // bs, -(-total // bs)), cache_salt)
         self._check_scope(model, lora)
-        head = np.asarray(prefix_keys, dtype=np.uint64)
-        if head.ndim != 1:
-            raise ValueError("prefix_keys must be 1-D")
+        head = _keys_to_u64(prefix_keys, "prefix_keys")
         m = min(len(head), n)
+        rest = _tokens_to_u64(tokens[m * bs :])  # every id the prefix does not cover is checked
         if m == n:
             return head[:m].copy()
         state = int(head[m - 1]) if m else self._root(model, lora)
         more = extras[m:] if extras is not None and any(e is not None for e in extras[m:]) else None
-        new = None
-        if more is None and native is not None and isinstance(tokens, (list, np.ndarray)):
-            rest = tokens[m * bs :] if m else tokens  # keys of its whole blocks, cut to n below
-            try:  # an array as _tokens_to_u64 checks it (no negative ids); a list is checked in C
-                rest = _tokens_to_u64(rest) if isinstance(rest, np.ndarray) else rest
-                new = np.frombuffer(native.xxh3_chain(state, rest, self._K, self._A), dtype=np.uint64)[: n - m]
-            except (TypeError, ValueError, OverflowError):
-                new = None  # the reference path below raises the documented errors
-        if new is None:
-            new = self._xxh3_keys(state, _tokens_to_u64(tokens[m * bs : n * bs]), n - m, more)
+        if more is None and native is not None:
+            new = np.frombuffer(native.xxh3_chain(state, rest, self._K, self._A), dtype=np.uint64)[: n - m]
+        else:
+            new = self._xxh3_keys(state, rest[: (n - m) * bs], n - m, more)
         return np.concatenate((head[:m], new)) if m else new.copy()
 
     def chain(

@@ -70,6 +70,55 @@ def test_continued_keys_check_the_new_tokens_and_the_prefix() -> None:
         tp.request_keys(list(range(12)), prefix_keys=np.zeros((1, 2), dtype=np.uint64))
 
 
+def test_continued_keys_check_what_the_prefix_does_not_cover() -> None:
+    tp = TokenProcessor(4)
+    toks = list(range(100, 108))
+    prefix = tp.request_keys(toks)
+    for tail in ([-1], [1.5], [2**64], ["a"], [None]):  # the trailing part block is checked too
+        with pytest.raises((TypeError, ValueError)):
+            tp.request_keys(toks + [7, 8] + tail, prefix_keys=prefix)
+    for tokens in ("x" * 8, {i: i for i in range(8)}, (t for t in toks)):  # the prefix covering every block
+        with pytest.raises(TypeError):
+            tp.request_keys(tokens, prefix_keys=prefix)
+    with pytest.raises(ValueError):
+        tp.request_keys(np.array([toks]), prefix_keys=prefix)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (lambda k: k.astype(float), TypeError), (lambda k: k.astype(np.uint32), TypeError),
+    (lambda k: k.astype(bool), TypeError), (lambda k: [float(x) for x in k.tolist()], TypeError),
+    (lambda k: [-1] * len(k), ValueError), (lambda k: [2**64] * len(k), ValueError),
+    (lambda k: "abc", TypeError), (lambda k: k.reshape(1, -1), ValueError),
+])
+def test_keys_of_another_type_are_refused(bad, error) -> None:  # type: ignore[no-untyped-def]
+    ix = Indexer(Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": 4}}))
+    toks = list(range(100, 116))
+    keys = ix.request_keys(toks)
+    with pytest.raises(error):
+        ix.score(toks, ["pod-a"], keys=bad(keys))
+    with pytest.raises(error):
+        ix.request_keys(toks + [1] * 8, prefix_keys=bad(keys))
+
+
+def test_keys_as_a_list_or_int64_score_as_the_array() -> None:
+    ix = Indexer(Config.from_dict({"model_name": "m", "token_processor_config": {"block_size": 4}}))
+    toks = list(range(100, 164))
+    ix.index.block_stored("pod-a", 0, list(range(1, 17)), None, toks, "gpu", block_size=4, model="m")
+    keys = ix.request_keys(toks)
+    # keys on both sides of 2**63: numpy reads a list of them as float64 unless told otherwise
+    assert int(keys.max()) >= 2**63 > int(keys.min()) and np.asarray(keys.tolist()).dtype != np.uint64
+    want = ix.score(toks, ["pod-a"])
+    assert want.prefix["pod-a"].matched_blocks == 16
+    for given in (keys, keys.tolist(), keys.view(np.int64), tuple(keys.tolist())):
+        assert ix.score(toks, ["pod-a"], keys=given) == want
+    with pytest.raises(TypeError):
+        ix.score("x" * 16, ["pod-a"], keys=keys)  # tokens are counted, and must be tokens
+    routed = ix.route(toks, ["pod-a"], keys=keys.tolist())
+    assert routed.pod == "pod-a" and routed.prefix["pod-a"].matched_blocks == 16
+    with pytest.raises(ValueError):
+        ix.route(toks, ["pod-a"], keys=np.zeros((3, 3), dtype=np.uint64))  # route checks them as score does
+
+
 def test_compat_mode_ignores_prefix_keys() -> None:
     tp = TokenProcessor(4, algorithm="vllm_sha256_cbor")
     toks = list(range(16))

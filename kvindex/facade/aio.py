@@ -67,16 +67,20 @@ class AsyncIndexer:
         return await asyncio.to_thread(self.tokenizer.tokenize, path, body)
 
     def score(self, tokens: Sequence[int] | np.ndarray, pods: Collection[str] | None = None, *,
-              model: str | None = None, cache_salt: str | None = None,
+              model: str | None = None, lora: str | None = None,
+              block_extra_keys: Sequence[Sequence | None] | None = None, cache_salt: str | None = None,
               loads: Mapping[str, LoadSnapshot] | None = None, keys: np.ndarray | None = None) -> Score:
         """:meth:`Indexer.score`, inline (safe on the loop: it never waits)."""
-        return self.indexer.score(tokens, pods, model=model, cache_salt=cache_salt, loads=loads, keys=keys)
+        return self.indexer.score(tokens, pods, model=model, lora=lora, block_extra_keys=block_extra_keys,
+                                  cache_salt=cache_salt, loads=loads, keys=keys)
 
     def route(self, tokens: Sequence[int] | np.ndarray, pods: Collection[str] | None = None, *,
-              model: str | None = None, cache_salt: str | None = None,
+              model: str | None = None, lora: str | None = None,
+              block_extra_keys: Sequence[Sequence | None] | None = None, cache_salt: str | None = None,
               loads: Mapping[str, LoadSnapshot] | None = None, keys: np.ndarray | None = None) -> Score:
         """:meth:`Indexer.route`, inline; call :meth:`request_finished` when the request ends."""
-        return self.indexer.route(tokens, pods, model=model, cache_salt=cache_salt, loads=loads, keys=keys)
+        return self.indexer.route(tokens, pods, model=model, lora=lora, block_extra_keys=block_extra_keys,
+                                  cache_salt=cache_salt, loads=loads, keys=keys)
 
     def request_finished(self, pod: str, prefill_tokens: int = 0) -> None:
         """:meth:`Indexer.request_finished`."""

@@ -38,7 +38,7 @@ from kvindex.contract import GroupAware, IndexStats, KVIndex, TokenMatch
 from kvindex.groups import GroupsMixin
 from kvindex.factory import make_index
 from kvindex.hybrid_score import bound_matches
-from kvindex.keys import TokenProcessor
+from kvindex.keys import TokenProcessor, _keys_to_u64
 from kvindex.tiers import TIERS, TierWeights
 from kvindex.truth import PodTruth, PredictionTruth
 from scorer.load import LoadSnapshot
@@ -444,19 +444,21 @@ class Indexer:
             loads: load per pod; None = the indexer's own table
                 (:meth:`update_load` + in-flight counts).
             keys: the prompt's :meth:`request_keys` (same model, lora, extras
-                and salt) when the caller has them: not computed again.
+                and salt) when the caller has them: not computed again, and
+                ``tokens`` only counted. A uint64 array (an int64 one is read
+                as the same bits) or a list of ints.
 
         Returns:
             :class:`Score` with every candidate's prefix score and the choice.
             A prompt shorter than one block gives zero prefix scores.
 
         Raises:
-            TypeError / ValueError: bad tokens or arguments (from the token processor).
+            TypeError / ValueError: bad tokens, keys or arguments.
         """
         t0 = time.perf_counter()
         known: np.ndarray | None = None
         if keys is not None:
-            known = self._checked_keys(keys, len(tokens))
+            known = self._checked_keys(keys, tokens)
         fast = self._token_match and (known is not None or (block_extra_keys is None and not cache_salt))
         if known is None and not fast:
             known = self.request_keys(
@@ -495,11 +497,16 @@ class Indexer:
             raise TypeError("pods must be a collection of pod ids (str)")
         return list(dict.fromkeys(pods))
 
-    def _checked_keys(self, keys: np.ndarray, prompt_tokens: int) -> np.ndarray:
-        """``keys`` given to :meth:`score` as a uint64 array; ValueError unless one per keyed block."""
-        arr = np.asarray(keys)
-        if arr.dtype != np.uint64:
-            arr = arr.astype(np.uint64)
+    def _checked_keys(self, keys: np.ndarray, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``keys`` given to :meth:`score` as a uint64 array; ValueError unless one per keyed block of
+        ``tokens`` (counted, not read: TypeError unless a sequence or a 1-D array)."""
+        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, (Sequence, np.ndarray)):
+            raise TypeError(f"tokens must be a list/tuple of ints or a 1-D integer numpy array, "
+                            f"got {type(tokens).__name__}")
+        prompt_tokens = len(tokens)
+        arr = _keys_to_u64(keys, "keys")
         tp = self.token_processor
         want = max(prompt_tokens - getattr(tp, "hash_lookahead_tokens", 0), 0) // tp.block_size
         if arr.ndim != 1 or len(arr) != want:
@@ -647,15 +654,19 @@ class Indexer:
         """:meth:`score`, then count the request in flight on the chosen pod and,
         when ``speculative_ttl`` > 0, mark its blocks as speculatively held there.
         Call :meth:`request_finished` with the pod when the request ends."""
+        if keys is not None:
+            keys = _keys_to_u64(keys, "keys")
         result = self.score(
-            tokens, pods, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt, loads=loads
+            tokens, pods, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt, loads=loads,
+            keys=keys,
         )
         if result.pod is not None:
             self.request_started(result.pod)
             if self.speculative_ttl > 0 and result.request_blocks:
-                keys = self.request_keys(
-                    tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
-                )
+                if keys is None:
+                    keys = self.request_keys(
+                        tokens, model=model, lora=lora, block_extra_keys=block_extra_keys, cache_salt=cache_salt
+                    )
                 self.index.add_speculative(keys, result.pod, self.speculative_ttl)
         return result
 
