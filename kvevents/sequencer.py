@@ -148,6 +148,12 @@ class Sequencer(_SequencerState):
         if kind == "back" and b.seq == cb.seq and b.ts == cb.ts:
             out.append(Count("duplicates"))
             return out  # the same message again
+        if kind == "back" and b.seq <= cb.seq and b.ts < cb.ts and (self.last_ts is None or b.ts <= self.last_ts):
+            # older than the candidate and than our last batch: not a still newer process starting
+            # over, but a message from before both (a late copy, or not the engine's); it must not
+            # take the candidate's place
+            out.append(Count("stale"))
+            return out
         if (
             kind == "back" and self.has_replay and self.last is not None and b.seq == self.last + 1
             and b.ts > cb.ts
