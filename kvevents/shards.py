@@ -360,14 +360,18 @@ class _Shard(_Recovery):
         st.events += done
         st.clears += r.clears
         # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)
+        # (a tier with no block counts nothing: an empty removal leaves no zero entry, whichever
+        # apply path counted it)
         if r.stored_by_tier:
             into = st.stored
             for tier, k in r.stored_by_tier.items():
-                into[tier] = into.get(tier, 0) + k
+                if k:
+                    into[tier] = into.get(tier, 0) + k
         if r.removed_by_tier:
             into = st.removed
             for tier, k in r.removed_by_tier.items():
-                into[tier] = into.get(tier, 0) + k
+                if k:
+                    into[tier] = into.get(tier, 0) + k
         if r.errors or st.check.watching:
             st.check.events(batch.events)
         if st.check.problems and r.errors:  # logged once by the check: only counted here
