@@ -360,18 +360,8 @@ class _Shard(_Recovery):
         st.events += done
         st.clears += r.clears
         # (the index tallies them: ApplyResult.stored_by_tier / removed_by_tier)
-        # (a tier with no block counts nothing: an empty removal leaves no zero entry, whichever
-        # apply path counted it)
-        if r.stored_by_tier:
-            into = st.stored
-            for tier, k in r.stored_by_tier.items():
-                if k:
-                    into[tier] = into.get(tier, 0) + k
-        if r.removed_by_tier:
-            into = st.removed
-            for tier, k in r.removed_by_tier.items():
-                if k:
-                    into[tier] = into.get(tier, 0) + k
+        _add_blocks(st.stored, r.stored_by_tier)
+        _add_blocks(st.removed, r.removed_by_tier)
         if r.errors or st.check.watching:
             st.check.events(batch.events)
         if st.check.problems and r.errors:  # logged once by the check: only counted here
@@ -405,3 +395,10 @@ class _Shard(_Recovery):
         if not quiet:
             self.pool.rlog.warn(kind, "kvevents: %s", msg)
 
+
+def _add_blocks(into: dict[str, int], by_tier: dict[str, int]) -> None:
+    """Add per-tier block counts; a tier with no block counts nothing (an empty removal leaves no
+    zero entry, whichever apply path counted it)."""
+    for tier, k in by_tier.items():
+        if k:
+            into[tier] = into.get(tier, 0) + k

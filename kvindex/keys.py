@@ -166,7 +166,7 @@ import numpy as np
 import xxhash
 
 from kvindex.accel import native
-from kvindex.id_arrays import _EMPTY, _keys_to_u64, _tokens_to_u64
+from kvindex.id_arrays import _EMPTY, _check_ids, _keys_to_u64, _tokens_to_u64
 from kvindex.key_extras import _fresh, _normalise_extras
 
 __all__ = [
@@ -472,12 +472,7 @@ class TokenProcessor:
     def _continue_keys(self, tokens: Any, prefix_keys: Any, model: str | None, lora: Any,
                        block_extra_keys: Any, cache_salt: str | None) -> np.ndarray:
         """:meth:`request_keys` of ``tokens`` whose first blocks have ``prefix_keys`` (xxh3_chain)."""
-        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
-                tokens, (list, tuple, range, Sequence, np.ndarray)):
-            raise TypeError(f"tokens must be a list/tuple of ints or a 1-D integer numpy array, "
-                            f"got {type(tokens).__name__}")
+        _check_ids(tokens, "tokens")
         bs, total = self.block_size, len(tokens)
         n = max(total - self.hash_lookahead_tokens, 0) // bs
         extras = _normalise_extras(block_extra_keys, n, (n, total // bs, -(-total // bs)), cache_salt)

@@ -38,7 +38,8 @@ from kvindex.contract import GroupAware, IndexStats, KVIndex, TokenMatch
 from kvindex.groups import GroupsMixin
 from kvindex.factory import make_index
 from kvindex.hybrid_score import bound_matches
-from kvindex.keys import TokenProcessor, _keys_to_u64
+from kvindex.id_arrays import _check_ids, _keys_to_u64
+from kvindex.keys import TokenProcessor
 from kvindex.tiers import TIERS, TierWeights
 from kvindex.truth import PodTruth, PredictionTruth
 from scorer.load import LoadSnapshot
@@ -500,16 +501,12 @@ class Indexer:
     def _checked_keys(self, keys: np.ndarray, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """``keys`` given to :meth:`score` as a uint64 array; ValueError unless one per keyed block of
         ``tokens`` (counted, not read: TypeError unless a sequence or a 1-D array)."""
-        if isinstance(tokens, np.ndarray) and tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
-        if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(tokens, (Sequence, np.ndarray)):
-            raise TypeError(f"tokens must be a list/tuple of ints or a 1-D integer numpy array, "
-                            f"got {type(tokens).__name__}")
+        _check_ids(tokens, "tokens")
         prompt_tokens = len(tokens)
         arr = _keys_to_u64(keys, "keys")
         tp = self.token_processor
         want = max(prompt_tokens - getattr(tp, "hash_lookahead_tokens", 0), 0) // tp.block_size
-        if arr.ndim != 1 or len(arr) != want:
+        if len(arr) != want:
             raise ValueError(f"keys: {want} request keys expected for {prompt_tokens} tokens, got shape {arr.shape}")
         return arr
 
