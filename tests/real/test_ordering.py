@@ -6,6 +6,11 @@ own selector (subscribed to the same engines' KV events) and the library's
 default, on emptied caches each time; the engines' own
 ``vllm:prefix_cache_hits_total / queries_total`` must rank the KV-aware
 policies above the ones that do not, and ours no lower than the peers.
+
+What is asserted of a peer is only that it sees the caches (it beats
+round-robin): how far it beats the load-aware blind policy is the peer's own
+quality and varies between runs (Dynamo's selector sent 51 of 54 requests to
+one pod in one run: 0.696 against load-only's 0.650, 0.796 in others).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ def test_hit_rate_ordering_on_real_engines(small_fleet: VllmFleet, capsys: pytes
         assert r.query_tokens == n * (shape.shared_tokens + shape.question_tokens), r  # every prompt counted once
     blind = max(results["round_robin"].hit_rate, results["load"].hit_rate)
     peers = [p for p in ("precise", "dynamo") if p in results]
-    for kv_aware in (*peers, "kvindex"):
-        assert results[kv_aware].hit_rate > blind + 0.05, table(list(results.values()))
+    assert results["kvindex"].hit_rate > blind + 0.05, table(list(results.values()))
     for peer in peers:
+        assert results[peer].hit_rate > results["round_robin"].hit_rate, table(list(results.values()))
         assert results["kvindex"].hit_rate >= results[peer].hit_rate - 0.05, table(list(results.values()))
