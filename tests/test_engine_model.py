@@ -690,9 +690,13 @@ class RejoinEngineMachine(ZmqPublishers, EngineSystem, RuleBasedStateMachine):
                 f"not converged after 60 s (subscriptions back: {joined}, faults={dict(self.faults)}): {bad}"
             )
             time.sleep(0.05)
+        before = (self.pool.stats().dropped_messages, list(self.pool.completeness()))
         assert self.pool.flush(30)  # what was queued as it converged changes nothing
         bad = self.problems()
-        assert not bad, f"faults={dict(self.faults)}: {bad}"
+        assert not bad, (
+            f"faults={dict(self.faults)}: {bad}; when it had converged: dropped messages {before[0]}, "
+            f"streams {before[1]}; now: dropped messages {self.pool.stats().dropped_messages}"
+        )
         assert self.pool.stats().errors_by_kind.get("internal", 0) == 0
 
     def teardown(self) -> None:
