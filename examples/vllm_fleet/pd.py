@@ -218,14 +218,12 @@ class PDFleet(VllmFleet):
             if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("source") == "external_kv_transfer"
         )
 
-    def _complete(
-        self, engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any], timeout: float = 300.0
-    ) -> dict[str, Any] | None:
+    def _complete(self, engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any]) -> dict[str, Any] | None:
         body = {
             "model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": False, "return_token_ids": True, "kv_transfer_params": params,
         }
-        status, raw = engine.request("POST", "/v1/completions", body, timeout=timeout)
+        status, raw = engine.request("POST", "/v1/completions", body, timeout=self.warm_up_timeout)
         return json.loads(raw) if status == 200 else None
 
     def warm_up(self, attempts: int = 6) -> int:
@@ -253,21 +251,20 @@ class PDFleet(VllmFleet):
             "remote_block_ids": None, "remote_host": None, "remote_port": None,
         }
         why = "no attempt"
-        wait = self.warm_up_timeout
         for attempt in range(1, attempts + 1):
             rng = random.Random(f"pd-warm-up/{attempt}/{time.time_ns()}")
             prompt = [rng.randrange(3, 600) for _ in range(self.WARM_PROMPT)]
-            a = self._complete(p, prompt, 1, dict(first_leg), wait)
-            b = a and self._complete(d, prompt, self.WARM_ANSWER, a.get("kv_transfer_params") or {}, wait)
+            a = self._complete(p, prompt, 1, dict(first_leg))
+            b = a and self._complete(d, prompt, self.WARM_ANSWER, a.get("kv_transfer_params") or {})
             if not b or not b.get("kv_transfer_params"):
                 why = f"attempt {attempt}: D could not take P's prefill ({'P' if not a else 'D'} failed)"
                 continue
             turn2 = prompt + list(b["choices"][0].get("token_ids") or []) + [rng.randrange(3, 600) for _ in range(40)]
             before = self._pulled_tokens(p)
-            c = self._complete(p, turn2, 1, b["kv_transfer_params"], wait)
+            c = self._complete(p, turn2, 1, b["kv_transfer_params"])
             pulled = self._pulled_tokens(p) - before
             if c is not None and c.get("kv_transfer_params"):
-                self._complete(d, turn2, 1, c["kv_transfer_params"], wait)  # D takes P's prefill: P frees its blocks
+                self._complete(d, turn2, 1, c["kv_transfer_params"])  # D takes P's prefill: P frees its blocks
             if c is not None and pulled > 0:
                 return attempt
             why = f"attempt {attempt}: P's pull from D {'failed' if c is None else 'did not happen'}"
