@@ -541,8 +541,9 @@ class RejoinEngineMachine(ZmqPublishers, EngineSystem, RuleBasedStateMachine):
 
     No step, and no check, publishes anything to make a loss visible: an
     engine may stay idle forever after its last batch.  Each check waits
-    (bounded) until the subscriptions are back and the pool converged, then
-    asserts, per publisher:
+    (bounded) until the subscriptions are back, every stream has applied its
+    engine's last batch (nothing is on its way any more) and the pool
+    converged, then asserts, per publisher:
 
     - the index holds no block copy the engine does not hold;
     - when the engine's replay buffer holds every batch of its current
@@ -677,17 +678,38 @@ class RejoinEngineMachine(ZmqPublishers, EngineSystem, RuleBasedStateMachine):
                     out.append(f"{where}: the buffer covers everything, yet incomplete")
         return out
 
+    def behind(self) -> list[str]:
+        """Publishers whose stream has not applied their process's last batch yet.
+
+        Every stream catches up (live, or from the buffer, which always holds
+        the last batches); until it has, batches may still be on their way (in
+        a socket on a busy machine), and a check now could pass on an index
+        that is about to change (the blocks are few, so an older state can
+        equal the engine's by chance).
+        """
+        states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+        out = []
+        for e in self.engines:
+            st_ = states.get((e.pod, e.model, e.dp_rank))
+            if e.next_seq and not self.elsewhere[id(e)]:
+                if st_ is None or st_.last_seq != e.next_seq - 1:
+                    out.append(f"{e.pod}/{e.model}/rank {e.dp_rank} next_seq={e.next_seq} state={st_}")
+        return out
+
     def converge_and_check(self) -> None:
-        """Publish nothing; wait (up to 60 s) until every subscription is back and the invariants hold; assert them."""
+        """Publish nothing; wait (up to 60 s) until every subscription is back, every stream has applied its
+        engine's last batch and the invariants hold; assert them."""
         deadline = time.monotonic() + 60
         while True:
             joined = all([self.subscribed(e) for e in self.engines])
             assert self.pool.flush(30)
             bad = self.problems()
-            if joined and not bad and self.pool.pending_retries() == 0:
+            late = self.behind()
+            if joined and not bad and not late and self.pool.pending_retries() == 0:
                 break
             assert time.monotonic() < deadline, (
-                f"not converged after 60 s (subscriptions back: {joined}, faults={dict(self.faults)}): {bad}"
+                f"not converged after 60 s (subscriptions back: {joined}, faults={dict(self.faults)}): {bad}; "
+                f"streams behind their engine: {late}"
             )
             time.sleep(0.05)
         before = (self.pool.stats().dropped_messages, list(self.pool.completeness()))
