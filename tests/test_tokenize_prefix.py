@@ -92,6 +92,54 @@ def test_a_next_turn_reuses_the_previous_turns_tokens(backend) -> None:  # type:
     assert cache.stats.hits == 1 and cache.stats.reused_tokens == reused1
 
 
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(turn, st.booleans(), st.integers(0, 3)), min_size=1, max_size=10), gen=st.booleans())
+def test_results_a_caller_keeps_never_change(backend, steps, gen) -> None:  # type: ignore[no-untyped-def]
+    """A next turn extends the previous turn's ids list in place only when no caller holds it."""
+    cache = PrefixCache(backend, max_entries=4, max_tokens=100_000)
+    history: list[tuple[str, str]] = []
+    kept: list[tuple[list[int], list[int]]] = []  # (a result the caller holds, a copy of it)
+    for t, keep, back in steps:
+        history = history[: max(0, len(history) - back)] if back == 3 else history  # now and then, a branch
+        history = history + [t]
+        text = render(history, gen)
+        ids, _ = cache.encode(text)
+        assert ids == backend.encode(text, add_special_tokens=False).ids
+        if keep:
+            kept.append((ids, list(ids)))
+        del ids
+        for held, copy in kept:
+            assert held == copy
+    assert cache.stats.tokens_held == sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
+
+
+def test_turns_encoded_at_once_from_threads_equal_full_encodings(backend) -> None:  # type: ignore[no-untyped-def]
+    """Threads continuing one conversation at once (each its own branch) all get the full encoding."""
+    import threading
+
+    cache = PrefixCache(backend, max_entries=8, max_tokens=1_000_000)
+    base = [("user", "the router keeps a cache " * 30)]
+    cache.encode(render(base, True))
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        history = list(base)
+        for i in range(40):
+            history = history + [("assistant", f"answer {w} {i}"), ("user", f"question {w} {i} " * (i % 5 + 1))]
+            text = render(history, True)
+            ids, _ = cache.encode(text)
+            if ids != backend.encode(text, add_special_tokens=False).ids:
+                errors.append(f"worker {w} turn {i}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    assert cache.stats.tokens_held == sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
+
+
 def test_bounds_hold(backend) -> None:  # type: ignore[no-untyped-def]
     cache = PrefixCache(backend, max_entries=3, max_tokens=10_000)
     for i in range(10):

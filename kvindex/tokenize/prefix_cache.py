@@ -21,6 +21,7 @@ the rest. tests/test_tokenize_prefix.py holds the result to a full encoding.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class Memo(msgspec.Struct, dict=True):
 @dataclass
 class _Entry:
     text: str
-    ids: list[int]  # the token ids (shared with the lists handed out: no copy per request)
+    ids: list[int]  # the token ids (shared with the lists handed out: no copy per request; see _store)
     cut_chars: list[int]  # char offsets of the cut points, ascending
     cut_tokens: list[int]  # index in ids of the token starting at each cut
     memo: Memo = field(default_factory=Memo)
@@ -136,37 +137,22 @@ class PrefixCache:
             raise Cold("no cached text covers all but the limit")
         with self._lock:
             self.stats.lookups += 1
-        if best is None:
-            ids, chars, toks = self._encode_from(text, 0)
-            reused = 0
-            prefix_ids: list[int] = []
-        else:
+        if best is not None:
             entry, k = best
             start, tok_at = entry.cut_chars[k], entry.cut_tokens[k]
             tail, chars, toks = self._encode_from(text, start)
-            if not tail or tail[0] != entry.ids[tok_at]:  # not the expected token at the cut
-                if limit is not None and len(text) > limit:
-                    raise Cold("the text must be encoded whole")
-                ids, chars, toks = self._encode_from(text, 0)
-                reused, prefix_ids = 0, []
-                best = None
-            else:
-                prefix_ids = entry.ids[:tok_at]  # the one copy of the reused ids
-                chars = entry.cut_chars[:k] + chars
-                toks = entry.cut_tokens[:k] + [t + tok_at for t in toks]
-                ids = tail
-                reused = tok_at
+            if tail and tail[0] == entry.ids[tok_at]:  # the expected token at the cut
                 with self._lock:
                     self.stats.hits += 1
-                    self.stats.reused_tokens += reused
-        if prefix_ids:
-            prefix_ids.extend(ids)
-            full = prefix_ids
-        else:
-            full = ids
-        entry = _Entry(text, full, chars, toks)
-        self._store(anchor, entry, best[0] if best else None)
-        return full, reused, best[0].memo if best else None, entry.memo
+                    self.stats.reused_tokens += tok_at
+                new = self._store(anchor, text, entry.cut_chars[:k] + chars,
+                                  entry.cut_tokens[:k] + [t + tok_at for t in toks], entry, tok_at, tail)
+                return new.ids, tok_at, entry.memo, new.memo
+            if limit is not None and len(text) > limit:
+                raise Cold("the text must be encoded whole")
+        ids, chars, toks = self._encode_from(text, 0)
+        new = self._store(anchor, text, chars, toks, None, 0, ids)
+        return new.ids, 0, None, new.memo
 
     def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
         """Encode ``text[start:]``; its ids, and its cut points shifted by ``start``."""
@@ -211,18 +197,41 @@ class PrefixCache:
                 hi = mid
         return lo - 1 if lo > 0 else None
 
-    def _store(self, anchor: str, entry: _Entry, replaced: _Entry | None) -> None:
+    def _store(self, anchor: str, text: str, chars: list[int], toks: list[int], base: _Entry | None,
+               reused: int, tail: list[int]) -> _Entry:
+        """Cache ``text`` with ids ``base.ids[:reused] + tail`` (``tail`` alone without a base); its entry.
+
+        A base whose text ``text`` extends is replaced. Its ids list is then
+        extended in place when nothing but the entry holds it (the previous
+        turn's result dropped by its caller): no copy of the reused ids and
+        no freeing of the old list, the cost of a long conversation's turn.
+        The ids before ``reused`` stay as they were, so a reader still holding
+        the old entry (to copy its ids up to an earlier cut) reads the same ids.
+        """
         with self._lock:
             before = bucket = self._by_anchor.pop(anchor, [])
-            if replaced is not None and entry.text.startswith(replaced.text):
-                bucket = [e for e in bucket if e is not replaced]
-            bucket = [e for e in bucket if e.text != entry.text]
+            held_before = _tokens(before)
+            replaced = base is not None and text.startswith(base.text)
+            if base is None:
+                ids = tail
+            elif replaced and _sole_holder(base) and any(e is base for e in before):
+                ids = base.ids
+                del ids[reused:]
+                ids.extend(tail)
+            else:
+                ids = base.ids[:reused]  # the one copy of the reused ids
+                ids.extend(tail)
+            entry = _Entry(text, ids, chars, toks)
+            if replaced:
+                bucket = [e for e in bucket if e is not base]
+            bucket = [e for e in bucket if e.text != text]
             bucket.append(entry)
             del bucket[:-4]  # a few branches of one conversation (or conversations sharing a start)
             self._by_anchor[anchor] = bucket
-            self._held += _tokens(bucket) - _tokens(before)  # running totals: no walk over every entry
+            self._held += _tokens(bucket) - held_before  # running totals: no walk over every entry
             self._count += len(bucket) - len(before)
             self._evict()
+        return entry
 
     def _evict(self) -> None:
         held, count = self._held, self._count
@@ -239,6 +248,20 @@ class PrefixCache:
             self._by_anchor.clear()
             self._held = self._count = 0
             self.stats.entries = self.stats.tokens_held = 0
+
+
+def _id_refs(entry: _Entry) -> int:
+    """References to ``entry.ids`` (CPython's count, this call's own included)."""
+    return sys.getrefcount(entry.ids)
+
+
+_SOLE_REFS = _id_refs(_Entry("", [], [], []))
+"""What :func:`_id_refs` counts for an ids list that only its entry holds (on this interpreter)."""
+
+
+def _sole_holder(entry: _Entry) -> bool:
+    """Whether nothing but ``entry`` holds its ids list."""
+    return _id_refs(entry) <= _SOLE_REFS
 
 
 def _tokens(bucket: list[_Entry]) -> int:

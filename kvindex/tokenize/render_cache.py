@@ -195,7 +195,7 @@ class RenderCache:
         with self._lock:
             self.stats.rendered_messages += len(messages) - start
         self._store(anchor, _Entry(enc, len(messages), middle), entry)
-        return head + middle + tail
+        return "".join((head, middle, tail))
 
     def _render_warm_json(self, enc: bytes, template: str, fmt: str, kwargs: Mapping[str, Any],
                           prepare: Prepare, apply: Apply, limit: int) -> str:
@@ -233,8 +233,9 @@ class RenderCache:
             self.stats.hits += 1
             self.stats.reused_messages += entry.n
             self.stats.rendered_messages += len(new)
-        self._store(anchor, _Entry(enc, entry.n + len(new), entry.middle + middle), entry)
-        return split[0] + entry.middle + middle + split[1]
+        middle = entry.middle + middle
+        self._store(anchor, _Entry(enc, entry.n + len(new), middle), entry)
+        return "".join((split[0], middle, split[1]))  # one copy of the long middle, not three
 
     def _key(self, messages: Any, template: str, fmt: str, kwargs: Mapping[str, Any]) -> tuple[str, str, bytes] | None:
         if not isinstance(messages, list) or not messages:
