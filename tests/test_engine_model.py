@@ -58,7 +58,7 @@ import zmq
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from kvevents.pool import EventPool, RawMessage, Source
+from kvevents.pool import EventPool, RawMessage, Source, StreamState
 from kvevents.subscriber import EngineEndpoint, Subscriber
 from kvindex.reference import KVBlockIndex
 from kvindex.native import NativeKVBlockIndex
@@ -145,6 +145,14 @@ class EngineSystem:
     def source(self, e: ModelEngine) -> Source:
         """The pool's source for ``e``'s messages (its pod, model and replay endpoint)."""
         return Source(pod=e.pod, replay=self.server.endpoint(e), model=e.model)  # type: ignore[union-attr]
+
+    def streams(self) -> dict[tuple[str, str, int], StreamState]:
+        """The pool's stream states by publisher (pod, model, DP rank)."""
+        return {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+
+    def last_seqs(self) -> dict[tuple[str, str, int], int | None]:
+        """Each publisher's last applied seq, by (pod, model, DP rank)."""
+        return {k: s.last_seq for k, s in self.streams().items()}
 
 
 class EngineMachine(EngineSystem, RuleBasedStateMachine):
@@ -267,7 +275,7 @@ class EngineMachine(EngineSystem, RuleBasedStateMachine):
         # a well-formed message carrying exactly the seq the stream expects next cannot be told from
         # the engine's own by any sequence check: not modelled
         assert self.pool.flush(30)
-        last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}.get((e.pod, e.model, e.dp_rank))
+        last = self.last_seqs().get((e.pod, e.model, e.dp_rank))
         if kind != "unreadable" and last is not None and int.from_bytes(frames[1], "big") == last + 1:
             return
         self.send(e, frames)
@@ -296,7 +304,7 @@ class EngineMachine(EngineSystem, RuleBasedStateMachine):
 
     def settle_and_check(self) -> None:
         self.settle()
-        states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+        states = self.streams()
         # a message the pool dropped on a full queue is a loss even when no step injected one
         # (over ZMQ a slow worker can fill the queue from the subscriber's side)
         faulted = bool(self.faults) or self.pool.stats().dropped_messages > 0
@@ -496,7 +504,7 @@ class ZmqEngineMachine(ZmqPublishers, EngineMachine):
         deadline = time.monotonic() + 30
         while True:
             assert self.pool.flush(30)
-            last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}
+            last = self.last_seqs()
             if last.get(key) is not None or self.pool.stats().dropped_messages > drops:
                 return
             if time.monotonic() > deadline:  # lost on the way (PUB/SUB drops silently): a loss like any other
@@ -512,7 +520,7 @@ class ZmqEngineMachine(ZmqPublishers, EngineMachine):
                 self.send(e, e.publish([]))
             time.sleep(0.02)
             assert self.pool.flush(30)
-            last = {(s.pod, s.model, s.dp_rank): s.last_seq for s in self.pool.completeness()}
+            last = self.last_seqs()
             if all(last.get((e.pod, e.model, e.dp_rank)) == e.next_seq - 1 for e in self.engines):
                 break
             assert time.monotonic() < deadline, f"streams not current: {last}"
@@ -658,7 +666,7 @@ class RejoinEngineMachine(ZmqPublishers, EngineSystem, RuleBasedStateMachine):
 
     def problems(self) -> list[str]:
         """What the index and the pool's completeness get wrong now (empty: nothing)."""
-        states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+        states = self.streams()
         out = []
         for e in self.engines:
             if self.elsewhere[id(e)]:
@@ -687,7 +695,7 @@ class RejoinEngineMachine(ZmqPublishers, EngineSystem, RuleBasedStateMachine):
         that is about to change (the blocks are few, so an older state can
         equal the engine's by chance).
         """
-        states = {(s.pod, s.model, s.dp_rank): s for s in self.pool.completeness()}
+        states = self.streams()
         out = []
         for e in self.engines:
             st_ = states.get((e.pod, e.model, e.dp_rank))
