@@ -115,11 +115,12 @@ def test_the_prefix_proof_reads_json_text_of_any_formatting() -> None:
         return _Entry(text, len(json.loads(text)), "")
 
     spaced = entry(b'[ {"a": 1} ,\n {"b" : [2]}\n ]')
-    assert _longest_prefix([spaced], b'[ {"a": 1} ,\n {"b" : [2]}\n , {"c": 3}]', 3) is spaced
-    assert _longest_prefix([spaced], b'[ {"a": 1} ,\n {"b" : [2]}\n ]', 2) is spaced
-    assert _longest_prefix([spaced], b'[ {"a": 1} ,\n {"b" : [2, 3]}, {"c": 3}]', 3) is None
+    longer = b'[ {"a": 1} ,\n {"b" : [2]}\n , {"c": 3}]'
+    assert _longest_prefix([spaced], longer, 3) == (spaced, longer.index(b'{"c') - 1)  # just after the comma
+    assert _longest_prefix([spaced], spaced.enc, 2) == (spaced, len(spaced.enc))  # nothing new
+    assert _longest_prefix([spaced], b'[ {"a": 1} ,\n {"b" : [2, 3]}, {"c": 3}]', 3) == (None, 0)
     number = entry(b"[1]")
-    assert _longest_prefix([number], b"[12, 3]", 2) is None  # 12 is not 1
-    assert _longest_prefix([number], b"[1.5,3]", 2) is None
-    assert _longest_prefix([number], b"[1 ,3]", 2) is number
-    assert _longest_prefix([entry(b'["a"]')], b'["ab", "c"]', 2) is None
+    assert _longest_prefix([number], b"[12, 3]", 2) == (None, 0)  # 12 is not 1
+    assert _longest_prefix([number], b"[1.5,3]", 2) == (None, 0)
+    assert _longest_prefix([number], b"[1 ,3]", 2) == (number, 4)
+    assert _longest_prefix([entry(b'["a"]')], b'["ab", "c"]', 2) == (None, 0)

@@ -138,7 +138,7 @@ class PrefixCache:
         with self._lock:
             self.stats.lookups += 1
         if best is not None:
-            entry, k = best
+            entry, k, extends = best
             start, tok_at = entry.cut_chars[k], entry.cut_tokens[k]
             tail, chars, toks = self._encode_from(text, start)
             if tail and tail[0] == entry.ids[tok_at]:  # the expected token at the cut
@@ -146,12 +146,12 @@ class PrefixCache:
                     self.stats.hits += 1
                     self.stats.reused_tokens += tok_at
                 new = self._store(anchor, text, entry.cut_chars[:k] + chars,
-                                  entry.cut_tokens[:k] + [t + tok_at for t in toks], entry, tok_at, tail)
+                                  entry.cut_tokens[:k] + [t + tok_at for t in toks], entry, tok_at, tail, extends)
                 return new.ids, tok_at, entry.memo, new.memo
             if limit is not None and len(text) > limit:
                 raise Cold("the text must be encoded whole")
         ids, chars, toks = self._encode_from(text, 0)
-        new = self._store(anchor, text, chars, toks, None, 0, ids)
+        new = self._store(anchor, text, chars, toks, None, 0, ids, False)
         return new.ids, 0, None, new.memo
 
     def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
@@ -168,17 +168,19 @@ class PrefixCache:
             self.stats.encoded_tokens += len(ids)
         return ids, chars, toks
 
-    def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry, int] | None:
-        """The cached entry and cut index reaching furthest into ``text``."""
-        best: tuple[_Entry, int] | None = None
+    def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry, int, bool] | None:
+        """The cached entry and cut index reaching furthest into ``text``, and whether ``text`` starts with the entry's."""
+        best: tuple[_Entry, int, bool] | None = None
         for e in entries:
-            k = self._last_cut_in_common(text, e)
+            extends = text.startswith(e.text)
+            k = len(e.cut_chars) - 1 if extends and e.cut_chars else self._last_cut_in_common(text, e)
             if k is not None and (best is None or e.cut_chars[k] > best[0].cut_chars[best[1]]):
-                best = (e, k)
+                best = (e, k, extends)
         return best
 
     def _last_cut_in_common(self, text: str, e: _Entry) -> int | None:
-        """Index of the last cut point of ``e`` whose token lies inside the common prefix with ``text``."""
+        """Index of the last cut point of ``e`` whose token lies inside the common prefix with ``text``
+        (``text`` not starting with ``e.text``)."""
         def shares(k: int) -> bool:
             end = e.cut_chars[k] + len(self._cuts[e.ids[e.cut_tokens[k]]])
             return end <= len(text) and (text.startswith(e.text) if end == len(e.text) else
@@ -186,8 +188,6 @@ class PrefixCache:
         n = len(e.cut_chars)
         if n == 0:
             return None
-        if text.startswith(e.text):
-            return n - 1
         lo, hi = 0, n  # shares() holds below lo... find the first k where it fails
         while lo < hi:
             mid = (lo + hi) // 2
@@ -198,10 +198,10 @@ class PrefixCache:
         return lo - 1 if lo > 0 else None
 
     def _store(self, anchor: str, text: str, chars: list[int], toks: list[int], base: _Entry | None,
-               reused: int, tail: list[int]) -> _Entry:
+               reused: int, tail: list[int], extends: bool) -> _Entry:
         """Cache ``text`` with ids ``base.ids[:reused] + tail`` (``tail`` alone without a base); its entry.
 
-        A base whose text ``text`` extends is replaced. Its ids list is then
+        ``extends``: ``text`` starts with the base's text; the base is then replaced. Its ids list is then
         extended in place when nothing but the entry holds it (the previous
         turn's result dropped by its caller): no copy of the reused ids and
         no freeing of the old list, the cost of a long conversation's turn.
@@ -211,7 +211,7 @@ class PrefixCache:
         with self._lock:
             before = bucket = self._by_anchor.pop(anchor, [])
             held_before = _tokens(before)
-            replaced = base is not None and text.startswith(base.text)
+            replaced = base is not None and extends
             if base is None:
                 ids = tail
             elif replaced and _sole_holder(base) and any(e is base for e in before):
@@ -255,13 +255,14 @@ def _id_refs(entry: _Entry) -> int:
     return sys.getrefcount(entry.ids)
 
 
+_FREE_THREADED = not getattr(sys, "_is_gil_enabled", lambda: True)()
 _SOLE_REFS = _id_refs(_Entry("", [], [], []))
 """What :func:`_id_refs` counts for an ids list that only its entry holds (on this interpreter)."""
 
 
 def _sole_holder(entry: _Entry) -> bool:
-    """Whether nothing but ``entry`` holds its ids list."""
-    return _id_refs(entry) <= _SOLE_REFS
+    """Whether nothing but ``entry`` holds its ids list (False on a free-threaded build, whose counts are not exact)."""
+    return not _FREE_THREADED and _id_refs(entry) <= _SOLE_REFS
 
 
 def _tokens(bucket: list[_Entry]) -> int:

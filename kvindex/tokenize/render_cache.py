@@ -178,7 +178,7 @@ class RenderCache:
         head, tail = split
         anchor = (key, enc[:ANCHOR_BYTES])
         with self._lock:
-            entry = _longest_prefix(self._by_anchor.get(anchor, []), enc, len(messages))
+            entry = _longest_prefix(self._by_anchor.get(anchor, []), enc, len(messages))[0]
         if limit is not None and (entry is None or len(enc) - len(entry.enc) > limit):
             raise Cold("no cached turn of this conversation, or too much new")
         with self._lock:
@@ -210,13 +210,10 @@ class RenderCache:
         with self._lock:
             split = self._splits.get(key)
             anchor = (key, enc[:ANCHOR_BYTES])
-            entry = _longest_prefix(self._by_anchor.get(anchor, []), enc, sys.maxsize)
+            entry, start = _longest_prefix(self._by_anchor.get(anchor, []), enc, sys.maxsize)
         if split is None or entry is None or len(enc) - len(entry.enc) > limit:
             raise Cold("no split or cached turn for this conversation, or too much new")
-        start = len(enc) if enc == entry.enc else _new_start(entry.enc, enc)
         new: Any = []
-        if start is None:
-            raise Cold("no cached turn of this conversation")
         if start < len(enc):
             try:
                 new = msgspec.json.decode(b"[" + enc[start:])
@@ -310,8 +307,9 @@ def _chars(bucket: list[_Entry]) -> int:
     return sum(len(e.middle) + len(e.enc) for e in bucket)
 
 
-def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
-    """The cached entry with the most messages whose messages start ``enc``'s.
+def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> tuple[_Entry | None, int]:
+    """The cached entry with the most messages whose messages start ``enc``'s, and where
+    ``enc``'s messages after them begin (``len(enc)``: none after them); (None, 0) if no entry does.
 
     The entry's text up to the end of its last message (its closing bracket
     and the JSON whitespace before it cut off) must start ``enc``, and be
@@ -319,12 +317,14 @@ def _longest_prefix(bucket: list[_Entry], enc: bytes, n: int) -> _Entry | None:
     messages are the entry's, byte for byte.
     """
     best: _Entry | None = None
+    start = 0
     for e in bucket:
         if e.n > n or (best is not None and e.n <= best.n):
             continue
-        if enc == e.enc or _new_start(e.enc, enc) is not None:
-            best = e
-    return best
+        at = len(enc) if enc == e.enc else _new_start(e.enc, enc)
+        if at is not None:
+            best, start = e, at
+    return best, start
 
 
 def _new_start(cached: bytes, enc: bytes) -> int | None:
