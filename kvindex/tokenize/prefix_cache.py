@@ -201,12 +201,13 @@ class PrefixCache:
                reused: int, tail: list[int], extends: bool) -> _Entry:
         """Cache ``text`` with ids ``base.ids[:reused] + tail`` (``tail`` alone without a base); its entry.
 
-        ``extends``: ``text`` starts with the base's text; the base is then replaced. Its ids list is then
-        extended in place when nothing but the entry holds it (the previous
-        turn's result dropped by its caller): no copy of the reused ids and
-        no freeing of the old list, the cost of a long conversation's turn.
-        The ids before ``reused`` stay as they were, so a reader still holding
-        the old entry (to copy its ids up to an earlier cut) reads the same ids.
+        ``extends``: ``text`` starts with the base's text, and the base is
+        replaced. Its ids list is then extended in place when nothing but the
+        entry holds it (the previous turn's result dropped by its caller): no
+        copy of the reused ids and no freeing of the old list, the cost of a
+        long conversation's turn. The ids up to ``reused`` (the cut token
+        included) stay as they were, so a reader still holding the old entry
+        (to copy its ids up to an earlier cut) reads the same ids.
         """
         with self._lock:
             before = bucket = self._by_anchor.pop(anchor, [])
@@ -216,8 +217,7 @@ class PrefixCache:
                 ids = tail
             elif replaced and _sole_holder(base) and any(e is base for e in before):
                 ids = base.ids
-                del ids[reused:]
-                ids.extend(tail)
+                ids[reused:] = tail  # one step: a reader outside the lock never sees the list cut short
             else:
                 ids = base.ids[:reused]  # the one copy of the reused ids
                 ids.extend(tail)
