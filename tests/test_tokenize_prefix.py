@@ -140,6 +140,48 @@ def test_turns_encoded_at_once_from_threads_equal_full_encodings(backend) -> Non
     assert cache.stats.tokens_held == sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
 
 
+def test_a_result_is_held_from_the_moment_it_is_stored(backend) -> None:  # type: ignore[no-untyped-def]
+    """Thread A stops at every step after its turn's ids are stored and the cache's lock released
+    (a line tracer, as a thread switch could); meanwhile B encodes the next turn of A's text and
+    drops it. A's ids must still be A's text's: B extends a list in place only when nothing but
+    the cache holds it, and A holds its list from the moment it is stored."""
+    import sys
+    import threading
+
+    cache = PrefixCache(backend)
+    stopped, go_on = threading.Event(), threading.Event()
+    stored = [False]
+
+    def local(frame, event, arg):  # type: ignore[no-untyped-def]
+        if frame.f_code.co_name == "_store" and event == "return":
+            stored[0] = True
+        elif stored[0] and event == "line" and not stopped.is_set():
+            stopped.set()  # the first step after the store: let B run
+            go_on.wait(10)
+        return local
+
+    def run_a() -> None:
+        sys.settrace(lambda frame, event, arg: local if frame.f_code.co_name in ("encode_memo", "_store") else None)
+        try:
+            got["A"] = cache.encode(render(a_turn, True))[0]
+        finally:
+            sys.settrace(None)
+
+    first = [("user", "the router keeps a cache " * 20)]
+    kept = cache.encode(render(first, True))[0]  # held: A's turn copies into a list only its entry holds
+    a_turn = first + [("assistant", "one"), ("user", "two")]
+    b_turn = a_turn + [("assistant", "three"), ("user", "four " * 5)]
+    got: dict[str, list[int]] = {}
+    a = threading.Thread(target=run_a)
+    a.start()
+    assert stopped.wait(10)
+    cache.encode(render(b_turn, True))  # the result dropped at once
+    go_on.set()
+    a.join(10)
+    assert got["A"] == backend.encode(render(a_turn, True), add_special_tokens=False).ids
+    assert kept == backend.encode(render(first, True), add_special_tokens=False).ids
+
+
 def test_bounds_hold(backend) -> None:  # type: ignore[no-untyped-def]
     cache = PrefixCache(backend, max_entries=3, max_tokens=10_000)
     for i in range(10):

@@ -145,14 +145,14 @@ class PrefixCache:
                 with self._lock:
                     self.stats.hits += 1
                     self.stats.reused_tokens += tok_at
-                new = self._store(anchor, text, entry.cut_chars[:k] + chars,
-                                  entry.cut_tokens[:k] + [t + tok_at for t in toks], entry, tok_at, tail, extends)
-                return new.ids, tok_at, entry.memo, new.memo
+                new, ids = self._store(anchor, text, entry.cut_chars[:k] + chars,
+                                       entry.cut_tokens[:k] + [t + tok_at for t in toks], entry, tok_at, tail, extends)
+                return ids, tok_at, entry.memo, new.memo
             if limit is not None and len(text) > limit:
                 raise Cold("the text must be encoded whole")
         ids, chars, toks = self._encode_from(text, 0)
-        new = self._store(anchor, text, chars, toks, None, 0, ids, False)
-        return new.ids, 0, None, new.memo
+        new, ids = self._store(anchor, text, chars, toks, None, 0, ids, False)
+        return ids, 0, None, new.memo
 
     def _encode_from(self, text: str, start: int) -> tuple[list[int], list[int], list[int]]:
         """Encode ``text[start:]``; its ids, and its cut points shifted by ``start``."""
@@ -198,8 +198,10 @@ class PrefixCache:
         return lo - 1 if lo > 0 else None
 
     def _store(self, anchor: str, text: str, chars: list[int], toks: list[int], base: _Entry | None,
-               reused: int, tail: list[int], extends: bool) -> _Entry:
-        """Cache ``text`` with ids ``base.ids[:reused] + tail`` (``tail`` alone without a base); its entry.
+               reused: int, tail: list[int], extends: bool) -> tuple[_Entry, list[int]]:
+        """Cache ``text`` with ids ``base.ids[:reused] + tail`` (``tail`` alone without a base);
+        (its entry, its ids). The caller holds the ids from the moment the lock is released: an
+        entry whose ids only the entry holds is one another thread may extend in place.
 
         ``extends``: ``text`` starts with the base's text, and the base is
         replaced. Its ids list is then extended in place when nothing but the
@@ -231,7 +233,7 @@ class PrefixCache:
             self._held += _tokens(bucket) - held_before  # running totals: no walk over every entry
             self._count += len(bucket) - len(before)
             self._evict()
-        return entry
+            return entry, ids  # built while this frame still holds ids: never held by the entry alone
 
     def _evict(self) -> None:
         held, count = self._held, self._count
