@@ -7,6 +7,8 @@ cached encoding is compared with encoding the whole text at once (the oracle).
 
 from __future__ import annotations
 
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,11 @@ def render(turns: list[tuple[str, str]], gen: bool) -> str:
     head = "<|im_start|>system\n" + "shared system prompt " * 14 + "<|im_end|>\n"
     body = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns)
     return head + body + ("<|im_start|>assistant\n" if gen else "")
+
+
+def _held(cache: PrefixCache) -> int:
+    """The token ids the cache's entries hold, recounted."""
+    return sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
 
 
 def test_cut_points_leave_out_unsafe_tokens(backend) -> None:  # type: ignore[no-untyped-def]
@@ -110,13 +117,11 @@ def test_results_a_caller_keeps_never_change(backend, steps, gen) -> None:  # ty
         del ids
         for held, copy in kept:
             assert held == copy
-    assert cache.stats.tokens_held == sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
+    assert cache.stats.tokens_held == _held(cache)
 
 
 def test_turns_encoded_at_once_from_threads_equal_full_encodings(backend) -> None:  # type: ignore[no-untyped-def]
     """Threads continuing one conversation at once (each its own branch) all get the full encoding."""
-    import threading
-
     cache = PrefixCache(backend, max_entries=8, max_tokens=1_000_000)
     base = [("user", "the router keeps a cache " * 30)]
     cache.encode(render(base, True))
@@ -137,7 +142,7 @@ def test_turns_encoded_at_once_from_threads_equal_full_encodings(backend) -> Non
     for th in threads:
         th.join()
     assert errors == []
-    assert cache.stats.tokens_held == sum(len(e.ids) for b in cache._by_anchor.values() for e in b)
+    assert cache.stats.tokens_held == _held(cache)
 
 
 def test_a_result_is_held_from_the_moment_it_is_stored(backend) -> None:  # type: ignore[no-untyped-def]
@@ -145,9 +150,6 @@ def test_a_result_is_held_from_the_moment_it_is_stored(backend) -> None:  # type
     (a line tracer, as a thread switch could); meanwhile B encodes the next turn of A's text and
     drops it. A's ids must still be A's text's: B extends a list in place only when nothing but
     the cache holds it, and A holds its list from the moment it is stored."""
-    import sys
-    import threading
-
     cache = PrefixCache(backend)
     stopped, go_on = threading.Event(), threading.Event()
     stored = [False]

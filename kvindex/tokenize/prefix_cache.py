@@ -169,7 +169,8 @@ class PrefixCache:
         return ids, chars, toks
 
     def _best_cut(self, text: str, entries: list[_Entry]) -> tuple[_Entry, int, bool] | None:
-        """The cached entry and cut index reaching furthest into ``text``, and whether ``text`` starts with the entry's."""
+        """The cached entry and cut index reaching furthest into ``text``, and whether ``text``
+        starts with the entry's text."""
         best: tuple[_Entry, int, bool] | None = None
         for e in entries:
             extends = text.startswith(e.text)
@@ -214,17 +215,16 @@ class PrefixCache:
         with self._lock:
             before = bucket = self._by_anchor.pop(anchor, [])
             held_before = _tokens(before)
-            replaced = base is not None and extends
             if base is None:
                 ids = tail
-            elif replaced and _sole_holder(base) and any(e is base for e in before):
+            elif extends and _sole_holder(base) and any(e is base for e in before):
                 ids = base.ids
                 ids[reused:] = tail  # one step: a reader outside the lock never sees the list cut short
             else:
                 ids = base.ids[:reused]  # the one copy of the reused ids
                 ids.extend(tail)
             entry = _Entry(text, ids, chars, toks)
-            if replaced:
+            if extends:
                 bucket = [e for e in bucket if e is not base]
             bucket = [e for e in bucket if e.text != text]
             bucket.append(entry)
