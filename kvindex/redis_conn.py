@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 __all__ = ["LAYOUT", "LayoutMismatch", "RedisLink", "layout_error", "redacted_url"]
 
 #: Version of the Redis index's data layout, kept in its key ``layout`` (version 1 had no such key).
-LAYOUT = b"2"
+LAYOUT = b"3"
 
 
 class LayoutMismatch(RuntimeError):

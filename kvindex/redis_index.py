@@ -15,7 +15,7 @@ braces are a hash tag, so on a Redis Cluster all keys share one slot and the
 scripts stay valid there).  ``<rk>`` / ``<ek>`` are request / engine keys in
 binary (:func:`kvindex.redis_batch.k8`: 8 bytes, 10 for a few), ``<mid>`` a
 model id (0 = no model; names in ``mids`` / ``mnames``), ``<mask>`` a tier bit
-mask (:mod:`kvindex.tiers`).  Layout version 2, marked by the key ``layout``;
+mask (:mod:`kvindex.tiers`).  Layout version 3, marked by the key ``layout``;
 another version under the prefix raises :class:`LayoutMismatch` (see
 docs/operations.md, "Layout versions").
 
@@ -32,14 +32,20 @@ key                    type    content
 ``ps:<pod>``           set     the pod's non-empty streams ``<mid>:<rank>``
                                (a clear costs O(that pod's keys))
 ``pk``                 hash    pod -> number of request keys it holds
-``lru``                zset    ``<rk>`` by last use (a shared tick counter
-                               ``tick``); beyond ``capacity`` the least
-                               recently used request key is evicted
+``l:<n>``              zset    the LRU: ``<rk>`` by last use (a shared tick
+                               counter ``tick``) in ``lrub`` buckets (about
+                               capacity / 80, each a small listpack; ``n``
+                               from the key's last bytes); ``ltop``: per
+                               bucket a lower bound of its oldest tick;
+                               beyond ``capacity`` the least recently used
+                               request key is evicted
+``llog``               list    matches' keys waiting to be refreshed in the
+                               LRU (applied by the next store)
 ``x:<pod>``            zset    speculative entries: ``<rk>`` by expiry (s)
 ``xpods``, ``hpods``   set     pods with speculative / held entries
 ``h:<pod>``, ``hc:<pod>`` hash held entries: ``<rk>`` -> mask;
                                ``<rk>:<bit>`` -> reference count
-``n``                  hash    sizes: ``entries``, ``engine_keys``
+``n``                  hash    sizes: ``keys``, ``entries``, ``engine_keys``
 ``l2order``            zset    models' level-2 maps in creation order
 ``gs:``, ``gr:``, ...          KV-cache groups (hybrid models): see
                                :mod:`kvindex.redis_groups`
@@ -49,7 +55,7 @@ Round trips: every operation is ONE server-side Lua script (EVALSHA; see
 :mod:`kvindex.redis_lua`), run atomically: a prefix match over N request keys
 for every candidate pod (per key, one HMGET of the ``p:<pod>`` fields of
 ``b:<rk>`` for the pods still matching, until each has missed once; then
-the LRU refresh of the longest match in one ZADD per 256 keys), a removal, a clear, a lookup.  A decoded
+the longest match appended to the LRU's touch log), a removal, a clear, a lookup.  A decoded
 batch (:meth:`apply_events`, the write path's call) is one script per run of
 up to 1,024 blocks (:mod:`kvindex.redis_batch`): the request keys are chained
 in Python from the parent's, known here when the parent is the stream's last
@@ -754,7 +760,7 @@ class RedisKVBlockIndex(SideTables, RedisGroupsMixin):
         return frozenset(out)
 
     def __len__(self) -> int:
-        n = self._safe(lambda: self.client.zcard(self.key_prefix + "lru"))
+        n = self._safe(lambda: self.client.hget(self.key_prefix + "n", "keys"))
         return 0 if n is None else int(n)
 
     def stats(self) -> IndexStats:

@@ -40,7 +40,9 @@ do
     end
   end
 end
-local LRU = P .. 'lru'
+local LRUB = P .. 'lrub'
+local LTOP = P .. 'ltop'
+local LLOG = P .. 'llog'
 local PK = P .. 'pk'
 local N = P .. 'n'
 local XPODS = P .. 'xpods'
@@ -106,11 +108,20 @@ local function reap(now)
   return n
 end
 
--- size counters (n): changed locally, written once at the end of a script (flush_n)
+-- size counters (n: entries, engine keys, request keys): changed locally, written once at the end of a script (flush_n)
 local dent, dek = 0, 0
+local nkeys, dkeys = nil, 0
+-- PK's changes per pod (a pod whose count reaches 0 leaves it)
+local dpk = {}
+local function pk_add(pod, d) dpk[pod] = (dpk[pod] or 0) + d end
 local function flush_n()
   if dent ~= 0 then redis.call('HINCRBY', N, 'entries', dent); dent = 0 end
   if dek ~= 0 then redis.call('HINCRBY', N, 'engine_keys', dek); dek = 0 end
+  if dkeys ~= 0 then nkeys = redis.call('HINCRBY', N, 'keys', dkeys); dkeys = 0 end
+  for pod, d in pairs(dpk) do
+    if d ~= 0 and redis.call('HINCRBY', PK, pod, d) <= 0 then redis.call('HDEL', PK, pod) end
+  end
+  dpk = {}
 end
 
 -- LRU ticks: reserved from the shared counter 256 at a time (increasing across scripts)
@@ -122,6 +133,100 @@ local function next_tick()
   end
   tick_at = tick_at + 1
   return tick_at
+end
+
+-- The LRU: request keys in lru_buckets() small sorted sets 'l:<n>' by last use (kept as listpacks:
+-- about 20 B per key where one big sorted set costs 110), n from the key's last three bytes. LTOP
+-- holds every bucket with a lower bound of its oldest tick (0 at first; ticks only grow), so the
+-- oldest key overall is the oldest of the bucket whose bound is exact and lowest. The bucket count
+-- follows the capacity of the first writer (about 80 keys per bucket when full).
+-- A match does not refresh its keys itself: it appends them to the touch log LLOG (one string of
+-- keys per match), which the next script that stores applies in order before its first tick
+-- (lru_drain; a key's last use decides), as does a match that finds LOG_MAX matches waiting.
+local LOG_MAX = 8
+local nbuckets = nil
+local function lru_buckets(cap)
+  if nbuckets == nil then
+    nbuckets = tonumber(redis.call('GET', LRUB) or '0')
+    if nbuckets == 0 and cap then
+      nbuckets = math.min(16777216, math.max(1, math.ceil(cap / 80)))
+      redis.call('SET', LRUB, nbuckets)
+      local b = 0
+      while b < nbuckets do
+        local args = {}
+        for q = b, math.min(nbuckets, b + 1000) - 1 do args[#args + 1] = 0; args[#args + 1] = q end
+        redis.call('ZADD', LTOP, unpack(args))
+        b = b + 1000
+      end
+    end
+  end
+  return nbuckets
+end
+local function lru_bucket(rk)
+  if nbuckets <= 1 then return '0' end
+  local a, b, c = string.byte(rk, -3, -1)
+  return tostring((a * 65536 + b * 256 + c) % nbuckets)
+end
+local function lkey(b) return P .. 'l:' .. b end
+
+-- request keys in the LRU (the count kept in n: 'keys')
+local function lru_count()
+  if nkeys == nil then nkeys = tonumber(redis.call('HGET', N, 'keys') or '0') end
+  return nkeys + dkeys
+end
+
+-- apply the touch log: every key still in the LRU gets a new tick, in the order of its last use
+local drained = false
+local function lru_drain()
+  if drained then return end
+  drained = true
+  local log = redis.call('LRANGE', LLOG, 0, -1)
+  if #log == 0 or lru_buckets(nil) == 0 then return end
+  redis.call('DEL', LLOG)
+  local last, order = {}, {}
+  for _, chunk in ipairs(log) do
+    for _, rk in ipairs(keys8(chunk)) do
+      order[#order + 1] = rk
+      last[rk] = #order
+    end
+  end
+  for i, rk in ipairs(order) do
+    if last[rk] == i then redis.call('ZADD', lkey(lru_bucket(rk)), 'XX', next_tick(), rk) end
+  end
+end
+
+-- drop rk from the LRU (its block hash is gone)
+local function lru_rem(rk)
+  if lru_buckets(nil) > 0 and redis.call('ZREM', lkey(lru_bucket(rk)), rk) == 1 then dkeys = dkeys - 1 end
+end
+
+-- rk used now: a new key joins the LRU (true); a known one is refreshed (false)
+local function lru_add(rk, cap)
+  lru_buckets(cap)
+  lru_drain()
+  if redis.call('ZADD', lkey(lru_bucket(rk)), next_tick(), rk) == 0 then return false end
+  dkeys = dkeys + 1
+  return true
+end
+
+-- take the least recently used request key out of the LRU (nil when it is empty)
+local function lru_pop()
+  if lru_count() <= 0 then return nil end
+  while true do
+    local top = redis.call('ZRANGE', LTOP, 0, 0, 'WITHSCORES')
+    local b, bound = top[1], tonumber(top[2])
+    local oldest = redis.call('ZRANGE', lkey(b), 0, 0, 'WITHSCORES')
+    if #oldest == 0 then
+      -- keys that join this bucket later get later ticks
+      redis.call('ZADD', LTOP, next_tick(), b)
+    elseif tonumber(oldest[2]) > bound then
+      redis.call('ZADD', LTOP, oldest[2], b)
+    else
+      redis.call('ZREM', lkey(b), oldest[1])
+      dkeys = dkeys - 1
+      return oldest[1]
+    end
+  end
 end
 
 -- per pod within one script: does it have speculative entries; which of its streams are in ps:<pod>
@@ -185,13 +290,11 @@ end
 -- the read path's view of a block: field 'p:<pod>' of its block hash -> the pod's mask (OR over its
 -- DP ranks); PK counts each pod's blocks
 local function set_pod_mask(rk, pod, mask)
-  if redis.call('HSET', bkey(rk), 'p:' .. pod, mask) == 1 then redis.call('HINCRBY', PK, pod, 1) end
+  if redis.call('HSET', bkey(rk), 'p:' .. pod, mask) == 1 then pk_add(pod, 1) end
 end
 
 local function drop_pod_mask(rk, pod)
-  if redis.call('HDEL', bkey(rk), 'p:' .. pod) == 1 then
-    if redis.call('HINCRBY', PK, pod, -1) <= 0 then redis.call('HDEL', PK, pod) end
-  end
+  if redis.call('HDEL', bkey(rk), 'p:' .. pod) == 1 then pk_add(pod, -1) end
 end
 
 -- after a rank entry of pod left block rk: refresh or drop the pod's mask, drop an empty block
@@ -202,7 +305,7 @@ local function settle_pod(rk, pod)
     set_pod_mask(rk, pod, m)
   else
     drop_pod_mask(rk, pod)
-    if redis.call('EXISTS', bk) == 0 then redis.call('ZREM', LRU, rk) end
+    if redis.call('EXISTS', bk) == 0 then lru_rem(rk) end
   end
 end
 
@@ -229,9 +332,8 @@ end
 
 local evictions = 0
 local function evict_one(compat)
-  local popped = redis.call('ZPOPMIN', LRU)
-  if #popped == 0 then return end
-  local rk = popped[1]
+  local rk = lru_pop()
+  if rk == nil then return end
   local bk = bkey(rk)
   local all = redis.call('HGETALL', bk)
   for i = 1, #all, 2 do
@@ -289,11 +391,16 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   end
   local bk = bkey(rk)
   -- a request key is in the LRU exactly while its block hash exists: a new member is a new block
-  local fresh = redis.call('ZADD', LRU, next_tick(), rk) == 1
-  if fresh and redis.call('ZCARD', LRU) > cap then evict_one(compat) end
+  local fresh = lru_add(rk, cap)
+  if fresh and lru_count() > cap then evict_one(compat) end
   local rf = 'r:' .. rank .. ':' .. pod
-  local v = false
-  if not fresh then v = redis.call('HGET', bk, rf) end
+  if fresh then
+    redis.call('HSET', bk, rf, entry(bitv, ek, mid), 'p:' .. pod, bitv)
+    pk_add(pod, 1)
+    link(pod, rank, mid, ek, rk, compat, old)
+    return
+  end
+  local v = redis.call('HGET', bk, rf)
   if not v then
     redis.call('HSET', bk, rf, entry(bitv, ek, mid))
   else
@@ -309,8 +416,7 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     end
     redis.call('HSET', bk, rf, entry(mask, eek, emid))
   end
-  local pm = 0
-  if not fresh then pm = tonumber(redis.call('HGET', bk, 'p:' .. pod) or '0') end
+  local pm = tonumber(redis.call('HGET', bk, 'p:' .. pod) or '0')
   set_pod_mask(rk, pod, bit.bor(pm, bitv))
   link(pod, rank, mid, ek, rk, compat, old)
 end

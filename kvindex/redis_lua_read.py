@@ -123,18 +123,7 @@ while #alive > 0 and i < nkeys do
   end
 end
 if touch and longest > 0 then
-  local top = redis.call('INCRBY', P .. 'tick', longest)
-  local k = 1
-  while k <= longest do
-    local args = {'XX'}
-    local stop = math.min(longest, k + 255)
-    for q = k, stop do
-      args[#args + 1] = top - longest + q
-      args[#args + 1] = K[q]
-    end
-    redis.call('ZADD', LRU, unpack(args))
-    k = stop + 1
-  end
+  if redis.call('RPUSH', LLOG, table.concat(K, '', 1, longest)) > LOG_MAX then lru_drain() end
 end
 local out = {expired}
 for _, p in ipairs(cands) do
@@ -281,7 +270,7 @@ return {redis.call('HKEYS', PK), held, spec}
 _STATS = r"""
 local spec = 0
 for _, p in ipairs(redis.call('SMEMBERS', XPODS)) do spec = spec + redis.call('ZCARD', xkey(p)) end
-return {redis.call('ZCARD', LRU), tonumber(redis.call('HGET', N, 'entries') or '0'),
+return {lru_count(), tonumber(redis.call('HGET', N, 'entries') or '0'),
         tonumber(redis.call('HGET', N, 'engine_keys') or '0'), redis.call('HLEN', PK), spec,
         redis.call('ZCARD', P .. 'gl')}
 """

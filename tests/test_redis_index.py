@@ -208,3 +208,87 @@ def test_a_chained_batch_is_one_script_call(redis_url):
     assert len(want["p"]) == n - 1  # the last block was removed
     assert ix.prefix_match(keys) == want
     assert ix.lookup(keys) == ref.lookup(keys)
+
+
+# -- 5. the LRU in buckets
+
+
+def _chain_tokens(seed: int, n_blocks: int) -> list[int]:
+    rnd = np.random.default_rng(seed)
+    return [int(t) for t in rnd.integers(1, 50_000, n_blocks * BS)]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    capacity=st.sampled_from([100, 250]),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["store", "store", "match", "remove"]), st.sampled_from(PODS),
+                  st.integers(0, 11), st.integers(5, 60)),
+        min_size=5, max_size=40,
+    ),
+)
+def test_bucketed_lru_evicts_as_the_reference(redis_url, capacity, steps):
+    """A capacity of 100 or 250 keys spreads the LRU over 2 or 4 buckets: stores past the capacity,
+    matches that refresh, and removals leave every index read and size as the reference's."""
+    ref = KVBlockIndex(U.tp, capacity=capacity)
+    ix = fresh(redis_url)(U.tp, capacity=capacity)
+    chains = {s: _chain_tokens(s, 60) for s in range(12)}
+    keys = {s: U.tp.request_keys(np.array(t)) for s, t in chains.items()}
+    for op, pod, seed, n in steps:
+        eks = [(seed << 16) + i for i in range(n)]
+        for index in (ref, ix):
+            if op == "store":
+                index.block_stored(pod, 0, eks, None, chains[seed][: n * BS], "gpu", block_size=BS)
+            elif op == "match":
+                index.prefix_match(keys[seed][:n])
+            else:
+                index.block_removed(pod, 0, eks[n // 2:], "gpu")
+        assert ix.stats().keys == ref.stats().keys
+    assert ix.stats().evictions == ref.stats().evictions
+    for s in chains:
+        assert ix.lookup(keys[s]) == ref.lookup(keys[s])
+        assert ix.prefix_match(keys[s]) == ref.prefix_match(keys[s])
+    assert len(ix) == len(ref)
+
+
+def test_lru_buckets_stay_small_listpacks_when_full(redis_url):
+    """At its capacity the LRU's buckets hold about 80 keys each, below the server's default listpack
+    limit of 128 (zset-max-listpack-entries): each one stays compact."""
+    import redis as redis_py
+
+    capacity = 4_000
+    ix = fresh(redis_url)(U.tp, capacity=capacity)
+    for s in range(capacity // 50 + 10):
+        ix.block_stored("a", 0, [(s << 16) + i for i in range(50)], None, _chain_tokens(1_000 + s, 50), "gpu",
+                        block_size=BS)
+    assert len(ix) == capacity and ix.stats().evictions > 0
+    client = redis_py.Redis.from_url(redis_url)
+    buckets = [k for k in client.scan_iter(match=ix.key_prefix + "l:*")]
+    assert len(buckets) == capacity // 80
+    sizes = [client.zcard(b) for b in buckets]
+    assert sum(sizes) == capacity and max(sizes) < 128
+    assert {client.object("encoding", b) for b in buckets} == {b"listpack"}
+
+
+def test_matches_between_stores_refresh_in_order_of_last_use(redis_url):
+    """Twenty matches in a row (past the touch log's 8 waiting matches, so a match applies it too), the
+    same prefixes matched again in another order, then stores past the capacity: the evictions are the
+    reference's."""
+    ref = KVBlockIndex(U.tp, capacity=250)
+    ix = fresh(redis_url)(U.tp, capacity=250)
+    chains = {s: _chain_tokens(s, 40) for s in range(6)}
+    keys = {s: U.tp.request_keys(np.array(t)) for s, t in chains.items()}
+    order = [3, 0, 5, 1, 4, 2, 0, 3, 1, 5, 2, 4, 1, 0, 3, 2, 5, 4, 0, 1]
+    for index in (ref, ix):
+        for s in range(6):
+            index.block_stored("ab"[s % 2], 0, [(s << 16) + i for i in range(40)], None, chains[s], "gpu",
+                               block_size=BS)
+        for n, s in enumerate(order):
+            index.prefix_match(keys[s][: 10 + n])
+        for s in range(6, 9):
+            index.block_stored("c", 0, [(s << 16) + i for i in range(40)], None, _chain_tokens(s, 40), "gpu",
+                               block_size=BS)
+    assert ref.stats().evictions > 0
+    assert ix.stats().evictions == ref.stats().evictions
+    for s in chains:
+        assert ix.lookup(keys[s]) == ref.lookup(keys[s])
