@@ -26,8 +26,11 @@ key                    type    content
                                ``<mask>:<mid>:<ek>`` per DP rank holding it;
                                the read path's view: ``p:<pod>`` -> the
                                pod's mask (OR over its DP ranks)
-``e:<mid>``            hash    level 2: ``<ek>`` -> ``<rk>:<holders>`` (number
-                               of (pod, rank) streams holding it)
+``e:<mid>:<n>``        hash    level 2: ``<ek>`` -> ``<rk>:<holders>`` (number
+                               of (pod, rank) streams holding it), in as
+                               many buckets as the LRU (``n`` from the
+                               engine key's last bytes); ``ec``: model ->
+                               its engine keys
 ``s:<mid>:<rank>:<pod>`` hash  one publisher stream: ``<ek>`` -> ``<rk>``
 ``ps:<pod>``           set     the pod's non-empty streams ``<mid>:<rank>``
                                (a clear costs O(that pod's keys))

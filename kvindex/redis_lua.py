@@ -51,7 +51,7 @@ local L2ORDER = P .. 'l2order'
 local function bkey(rk) return P .. 'b:' .. rk end
 local function skey(mid, rank, pod) return P .. 's:' .. mid .. ':' .. rank .. ':' .. pod end
 local function pskey(pod) return P .. 'ps:' .. pod end
-local function ekey(mid) return P .. 'e:' .. mid end
+local EC = P .. 'ec'
 local function xkey(pod) return P .. 'x:' .. pod end
 local function hkey(pod) return P .. 'h:' .. pod end
 local function hckey(pod) return P .. 'hc:' .. pod end
@@ -111,6 +111,9 @@ end
 -- size counters (n: entries, engine keys, request keys): changed locally, written once at the end of a script (flush_n)
 local dent, dek = 0, 0
 local nkeys, dkeys = nil, 0
+-- engine keys per model in level 2 (EC), read once per script; a model's map enters the level-2 order
+-- when its first key comes and leaves it with its last
+local ecount, ecdelta = {}, {}
 -- PK's changes per pod (a pod whose count reaches 0 leaves it)
 local dpk = {}
 local function pk_add(pod, d) dpk[pod] = (dpk[pod] or 0) + d end
@@ -118,6 +121,10 @@ local function flush_n()
   if dent ~= 0 then redis.call('HINCRBY', N, 'entries', dent); dent = 0 end
   if dek ~= 0 then redis.call('HINCRBY', N, 'engine_keys', dek); dek = 0 end
   if dkeys ~= 0 then nkeys = redis.call('HINCRBY', N, 'keys', dkeys); dkeys = 0 end
+  for mid, d in pairs(ecdelta) do
+    if d ~= 0 and redis.call('HINCRBY', EC, mid, d) <= 0 then redis.call('HDEL', EC, mid) end
+  end
+  ecdelta = {}
   for pod, d in pairs(dpk) do
     if d ~= 0 and redis.call('HINCRBY', PK, pod, d) <= 0 then redis.call('HDEL', PK, pod) end
   end
@@ -135,21 +142,35 @@ local function next_tick()
   return tick_at
 end
 
+-- a model's level-2 map gained (d > 0) or lost engine keys
+local function ec_add(mid, d)
+  local c = ecount[mid]
+  if c == nil then c = tonumber(redis.call('HGET', EC, mid) or '0') end
+  if c == 0 and d > 0 then redis.call('ZADD', L2ORDER, 'NX', next_tick(), mid) end
+  ecount[mid] = c + d
+  ecdelta[mid] = (ecdelta[mid] or 0) + d
+  dek = dek + d
+  if c + d <= 0 then redis.call('ZREM', L2ORDER, mid) end
+end
+
 -- The LRU: request keys in lru_buckets() small sorted sets 'l:<n>' by last use (kept as listpacks:
 -- about 20 B per key where one big sorted set costs 110), n from the key's last three bytes. LTOP
 -- holds every bucket with a lower bound of its oldest tick (0 at first; ticks only grow), so the
 -- oldest key overall is the oldest of the bucket whose bound is exact and lowest. The bucket count
--- follows the capacity of the first writer (about 80 keys per bucket when full).
+-- follows the capacity of the first writer (about 80 keys per bucket when full), fixed from then on.
 -- A match does not refresh its keys itself: it appends them to the touch log LLOG (one string of
 -- keys per match), which the next script that stores applies in order before its first tick
 -- (lru_drain; a key's last use decides), as does a match that finds LOG_MAX matches waiting.
 local LOG_MAX = 8
+-- at most 2^18 buckets (ltop about 26 MiB): from about 21 M keys of capacity they hold more than 80 keys,
+-- from 34 M more than the server's listpack limit of 128 (then each costs what one sorted set does)
+local MAX_BUCKETS = 262144
 local nbuckets = nil
 local function lru_buckets(cap)
-  if nbuckets == nil then
+  if nbuckets == nil or (nbuckets == 0 and cap) then
     nbuckets = tonumber(redis.call('GET', LRUB) or '0')
     if nbuckets == 0 and cap then
-      nbuckets = math.min(16777216, math.max(1, math.ceil(cap / 80)))
+      nbuckets = math.min(MAX_BUCKETS, math.max(1, math.ceil(cap / 80)))
       redis.call('SET', LRUB, nbuckets)
       local b = 0
       while b < nbuckets do
@@ -165,9 +186,12 @@ end
 local function lru_bucket(rk)
   if nbuckets <= 1 then return '0' end
   local a, b, c = string.byte(rk, -3, -1)
+  if c == nil then return '0' end  -- not a key ('' where a parent is none)
   return tostring((a * 65536 + b * 256 + c) % nbuckets)
 end
 local function lkey(b) return P .. 'l:' .. b end
+-- level 2 of model mid, in as many buckets as the LRU: the one holding engine key ek
+local function ekey(mid, ek) return P .. 'e:' .. mid .. ':' .. lru_bucket(ek) end
 
 -- request keys in the LRU (the count kept in n: 'keys')
 local function lru_count()
@@ -247,15 +271,14 @@ local function ps_rem(pod, s)
 end
 
 local function unref(ek, mid, compat)
-  if compat then return end
-  local e = ekey(mid)
+  if compat or lru_buckets(nil) == 0 then return end
+  local e = ekey(mid, ek)
   local v = redis.call('HGET', e, ek)
   if not v then return end
   local cnt = l2_count(v) - 1
   if cnt <= 0 then
     redis.call('HDEL', e, ek)
-    dek = dek - 1
-    if redis.call('EXISTS', e) == 0 then redis.call('ZREM', L2ORDER, mid) end
+    ec_add(mid, -1)
   else
     redis.call('HSET', e, ek, l2_rk(v) .. ':' .. cnt)
   end
@@ -358,14 +381,11 @@ local function link(pod, rank, mid, ek, rk, compat, old)
     redis.call('HSET', skey(mid, rank, pod), ek, rk)
     ps_add(pod, mid .. ':' .. rank)
     if not compat then
-      local e = ekey(mid)
+      local e = ekey(mid, ek)
       local v = redis.call('HGET', e, ek)
       if not v then
-        if redis.call('EXISTS', e) == 0 then
-          redis.call('ZADD', L2ORDER, 'NX', next_tick(), mid)
-        end
         redis.call('HSET', e, ek, rk .. ':1')
-        dek = dek + 1
+        ec_add(mid, 1)
       else
         redis.call('HSET', e, ek, rk .. ':' .. (l2_count(v) + 1))
       end
@@ -424,7 +444,8 @@ end
 local function resolve(pod, rank, mid, ek)
   local rk = redis.call('HGET', skey(mid, rank, pod), ek)
   if rk then return rk end
-  local v = redis.call('HGET', ekey(mid), ek)
+  if lru_buckets(nil) == 0 then return nil end
+  local v = redis.call('HGET', ekey(mid, ek), ek)
   if not v then return nil end
   return l2_rk(v)
 end
