@@ -17,42 +17,28 @@ binary (:func:`kvindex.redis_batch.k8`: 8 bytes, 10 for a few), ``<mid>`` a
 model id (0 = no model; names in ``mids`` / ``mnames``), ``<mask>`` a tier bit
 mask (:mod:`kvindex.tiers`).  Layout version 3, marked by the key ``layout``;
 another version under the prefix raises :class:`LayoutMismatch` (see
-docs/operations.md, "Layout versions").
+docs/operations.md, "Layout versions", for every key).
 
-=====================  ======  ===============================================
-key                    type    content
-=====================  ======  ===============================================
-``b:<rk>``             hash    level 1: ``r:<rank>:<pod>`` ->
-                               ``<mask>:<mid>:<ek>`` per DP rank holding it;
-                               the read path's view: ``p:<pod>`` -> the
-                               pod's mask (OR over its DP ranks)
-``e:<mid>:<n>``        hash    level 2: ``<ek>`` -> ``<rk>:<holders>`` (number
-                               of (pod, rank) streams holding it), in as
-                               many buckets as the LRU (``n`` from the
-                               engine key's last bytes); ``ec``: model ->
-                               its engine keys
-``s:<mid>:<rank>:<pod>`` hash  one publisher stream: ``<ek>`` -> ``<rk>``
-``ps:<pod>``           set     the pod's non-empty streams ``<mid>:<rank>``
-                               (a clear costs O(that pod's keys))
-``pk``                 hash    pod -> number of request keys it holds
-``l:<n>``              zset    the LRU: ``<rk>`` by last use (a shared tick
-                               counter ``tick``) in ``lrub`` buckets (about
-                               capacity / 80, each a small listpack; ``n``
-                               from the key's last bytes); ``ltop``: per
-                               bucket a lower bound of its oldest tick;
-                               beyond ``capacity`` the least recently used
-                               request key is evicted
-``llog``               list    matches' keys waiting to be refreshed in the
-                               LRU (applied by the next store)
-``x:<pod>``            zset    speculative entries: ``<rk>`` by expiry (s)
-``xpods``, ``hpods``   set     pods with speculative / held entries
-``h:<pod>``, ``hc:<pod>`` hash held entries: ``<rk>`` -> mask;
-                               ``<rk>:<bit>`` -> reference count
-``n``                  hash    sizes: ``keys``, ``entries``, ``engine_keys``
-``l2order``            zset    models' level-2 maps in creation order
-``gs:``, ``gr:``, ...          KV-cache groups (hybrid models): see
-                               :mod:`kvindex.redis_groups`
-=====================  ======  ===============================================
+=========================  =====  ==========================================
+key                        type   content
+=========================  =====  ==========================================
+``b:<rk>``                 hash   level 1: ``r:<rank>:<pod>`` ->
+                                  ``<mask>:<mid>:<ek>``; ``p:<pod>`` -> the
+                                  pod's mask (OR over its DP ranks)
+``e:<mid>:<n>``, ``ec``    hash   level 2: ``<ek>`` -> ``<rk>:<holders>``;
+                                  model -> its engine keys
+``s:<mid>:<rank>:<pod>``   hash   one publisher stream: ``<ek>`` -> ``<rk>``
+``ps:<pod>``, ``pk``       set,   the pod's non-empty streams; pod -> its
+                           hash   request keys
+``l:<n>``, ``ltop``,       zset,  the LRU (``capacity``) in buckets; a lower
+``llog``                   list   bound of each one's oldest use; matched
+                                  keys waiting to be refreshed
+``x:<pod>``, ``h:<pod>``,  zset,  speculative entries by expiry; held
+``hc:<pod>``               hash   entries (mask, reference counts)
+``n``, ``l2order``         hash,  sizes; models' level-2 maps in order
+                           zset
+``gs:``, ``gr:``, ...             KV-cache groups (:mod:`kvindex.redis_groups`)
+=========================  =====  ==========================================
 
 Round trips: every operation is ONE server-side Lua script (EVALSHA; see
 :mod:`kvindex.redis_lua`), run atomically: a prefix match over N request keys

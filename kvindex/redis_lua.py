@@ -420,10 +420,10 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     link(pod, rank, mid, ek, rk, compat, old)
     return
   end
-  local v = redis.call('HGET', bk, rf)
-  if not v then
-    redis.call('HSET', bk, rf, entry(bitv, ek, mid))
-  else
+  local pf = 'p:' .. pod
+  local got = redis.call('HMGET', bk, rf, pf)
+  local v, e = got[1], entry(bitv, ek, mid)
+  if v then
     local mask, eek, emid = parse_entry(v)
     mask = bit.bor(mask, bitv)
     if eek ~= ek then
@@ -434,10 +434,11 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
       end
       eek = ek
     end
-    redis.call('HSET', bk, rf, entry(mask, eek, emid))
+    e = entry(mask, eek, emid)
   end
-  local pm = tonumber(redis.call('HGET', bk, 'p:' .. pod) or '0')
-  set_pod_mask(rk, pod, bit.bor(pm, bitv))
+  -- the rank's entry and the pod's mask (OR over its ranks) in one write
+  redis.call('HSET', bk, rf, e, pf, bit.bor(tonumber(got[2] or '0'), bitv))
+  if not got[2] then pk_add(pod, 1) end
   link(pod, rank, mid, ek, rk, compat, old)
 end
 
