@@ -292,3 +292,71 @@ def test_matches_between_stores_refresh_in_order_of_last_use(redis_url):
     assert ix.stats().evictions == ref.stats().evictions
     for s in chains:
         assert ix.lookup(keys[s]) == ref.lookup(keys[s])
+
+
+# -- 6. stream tables by linear hashing
+
+
+def test_streams_of_thousands_split_read_and_clear_as_the_reference(redis_url):
+    """Streams of thousands of entries split their tables into small buckets (each a listpack) and, through
+    removals, stores of reused engine keys and clears, read as the reference does."""
+    import random
+
+    import redis as redis_py
+
+    tp = TokenProcessor(block_size=1)
+    ref, ix = KVBlockIndex(tp, capacity=10**6), fresh(redis_url)(tp, capacity=10**6)
+    rnd = random.Random(7)
+    by_pod: dict[str, list[int]] = {"a": [], "b": []}
+    seq = itertools.count()
+
+    def store(pod: str, n: int, eks: list[int] | None = None) -> None:
+        eks = eks or [rnd.getrandbits(64) for _ in range(n)]
+        toks = [next(seq)] + [rnd.randrange(1, 50_000) for _ in range(len(eks) - 1)]  # every sequence distinct
+        for index in (ref, ix):
+            index.block_stored(pod, 0, eks, None, toks, "gpu", block_size=1)
+        by_pod[pod].extend(eks)
+
+    def same() -> None:
+        for pod in ("a", "b"):
+            assert ix.pod_keys(pod) == ref.pod_keys(pod)
+            assert ix.pod_keys(pod, 0) == ref.pod_keys(pod, 0)
+        assert ix.stats().keys == ref.stats().keys and ix.stats().entries == ref.stats().entries
+        sample = rnd.sample(by_pod["a"] + by_pod["b"], 200)
+        assert [ix.request_key_of(ek) for ek in sample] == [ref.request_key_of(ek) for ek in sample]
+
+    for k in range(40):  # 10,240 entries, 256 per event
+        store("ab"[k % 2], 256)
+    same()
+    client = redis_py.Redis.from_url(redis_url)
+    level, split, n = (int(v) for v in client.hget(ix.key_prefix + "sm", "0:0:a").split(b":"))
+    assert n == 5_120 and 2 ** level + split > 64
+    buckets = list(client.scan_iter(match=ix.key_prefix + "s:0:0:a:*"))
+    assert len(buckets) == 2 ** level + split
+    assert {client.object("encoding", b) for b in buckets} == {b"listpack"}
+    gone = rnd.sample(by_pod["a"], 4_800)
+    for i in range(0, len(gone), 500):
+        assert ix.block_removed("a", 0, gone[i:i + 500], "gpu") == ref.block_removed("a", 0, gone[i:i + 500], "gpu")
+    same()
+    store("a", 0, gone[:300])  # engine keys come back with other content
+    store("b", 0, rnd.sample(by_pod["b"], 100))  # and again with other content on the same stream
+    same()
+    assert ix.clear("a") == ref.clear("a")
+    same()
+    assert ix.clear("b", 0) == ref.clear("b", 0)
+    same()
+    assert len(ix) == len(ref) == 0
+    assert not list(client.scan_iter(match=ix.key_prefix + "s:*")) and not client.exists(ix.key_prefix + "sm")
+
+
+def test_matches_before_any_store_leave_no_touch_log(redis_url):
+    """Matches that find only held entries, before any block is stored, have nothing to refresh in the
+    LRU: the touch log stays empty (it would otherwise grow with every match until the first store)."""
+    import redis as redis_py
+
+    ix = fresh(redis_url)(U.tp, capacity=1_000)
+    keys = U.tp.request_keys(np.array(_chain_tokens(3, 8)))
+    ix.add_held("p", keys, "gpu")
+    for _ in range(30):
+        assert len(ix.prefix_match(keys)["p"]) == len(keys)
+    assert redis_py.Redis.from_url(redis_url).llen(ix.key_prefix + "llog") == 0
