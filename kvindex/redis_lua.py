@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from kvindex.redis_lua_groups import GROUP_HELPERS, GROUP_SCRIPTS
 from kvindex.redis_lua_read import READ_SCRIPTS
-from kvindex.redis_lua_streams import STREAM_HELPERS
 
 __all__ = ["SCRIPTS"]
 
@@ -50,6 +49,7 @@ local XPODS = P .. 'xpods'
 local HPODS = P .. 'hpods'
 local L2ORDER = P .. 'l2order'
 local function bkey(rk) return P .. 'b:' .. rk end
+local function skey(mid, rank, pod) return P .. 's:' .. mid .. ':' .. rank .. ':' .. pod end
 local function pskey(pod) return P .. 'ps:' .. pod end
 local EC = P .. 'ec'
 local function xkey(pod) return P .. 'x:' .. pod end
@@ -73,7 +73,6 @@ local function keys8(s)
   return t
 end
 
-""" + STREAM_HELPERS + r"""
 -- "mask:mid:<ek>" of a level-1 rank entry (ek last) -> mask, ek, mid
 local function parse_entry(v)
   local a = string.find(v, ':', 1, true)
@@ -122,7 +121,6 @@ local function flush_n()
   if dent ~= 0 then redis.call('HINCRBY', N, 'entries', dent); dent = 0 end
   if dek ~= 0 then redis.call('HINCRBY', N, 'engine_keys', dek); dek = 0 end
   if dkeys ~= 0 then nkeys = redis.call('HINCRBY', N, 'keys', dkeys); dkeys = 0 end
-  st_flush()
   for mid, d in pairs(ecdelta) do
     if d ~= 0 and redis.call('HINCRBY', EC, mid, d) <= 0 then redis.call('HDEL', EC, mid) end
   end
@@ -289,11 +287,12 @@ end
 
 -- remove stream field ek (if it maps to rk); keeps the per-pod stream set current
 local function unlink(pod, rank, mid, ek, rk, compat)
-  local s = sid(mid, rank, pod)
-  if st_del(s, ek, rk) then
+  local sk = skey(mid, rank, pod)
+  if redis.call('HGET', sk, ek) == rk then
+    redis.call('HDEL', sk, ek)
     dent = dent - 1
     unref(ek, mid, compat)
-    if st_count(s) == 0 then ps_rem(pod, mid .. ':' .. rank) end
+    if redis.call('EXISTS', sk) == 0 then ps_rem(pod, mid .. ':' .. rank) end
   end
 end
 
@@ -380,7 +379,7 @@ local stored = 0
 local function link(pod, rank, mid, ek, rk, compat, old)
   if old ~= rk then
     if not old then dent = dent + 1 end
-    st_set(sid(mid, rank, pod), ek, rk, old)
+    redis.call('HSET', skey(mid, rank, pod), ek, rk)
     ps_add(pod, mid .. ':' .. rank)
     if not compat then
       local e = ekey(mid, ek)
@@ -405,11 +404,11 @@ end
 
 -- record that (pod, rank, mid) holds rk as ek in tier bitv
 local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
-  local s = sid(mid, rank, pod)
-  local old = st_get(s, ek)
+  local sk = skey(mid, rank, pod)
+  local old = redis.call('HGET', sk, ek)
   if old and old ~= rk then
     drop_copy(pod, rank, ek, old, -1, compat)
-    old = st_get(s, ek)
+    old = redis.call('HGET', sk, ek)
   end
   local bk = bkey(rk)
   -- a request key is in the LRU exactly while its block hash exists: a new member is a new block
@@ -429,7 +428,8 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
     local mask, eek, emid = parse_entry(v)
     mask = bit.bor(mask, bitv)
     if eek ~= ek then
-      if st_del(s, eek, rk) then
+      if redis.call('HGET', sk, eek) == rk then
+        redis.call('HDEL', sk, eek)
         dent = dent - 1
         unref(eek, mid, compat)
       end
@@ -444,7 +444,7 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
 end
 
 local function resolve(pod, rank, mid, ek)
-  local rk = st_get(sid(mid, rank, pod), ek)
+  local rk = redis.call('HGET', skey(mid, rank, pod), ek)
   if rk then return rk end
   if lru_buckets(nil) == 0 then return nil end
   local v = redis.call('HGET', ekey(mid, ek), ek)
@@ -461,7 +461,9 @@ local function clear_streams(pod, rank, mid, compat)
       local c = string.find(s, ':', 1, true)
       local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
       if (rank == '' or srank == rank) and (mid == '' or smid == mid) then
-        local m = st_all(sid(smid, srank, pod), true)
+        local sk = skey(smid, srank, pod)
+        local m = redis.call('HGETALL', sk)
+        redis.call('DEL', sk)
         ps_rem(pod, s)
         local rf = 'r:' .. srank .. ':' .. pod
         for i = 1, #m, 2 do
@@ -561,9 +563,9 @@ while i <= #ARGV do
     i = i + 3
   elseif op == 'R' then
     local bitv = tonumber(ARGV[i + 1])
-    local s = sid(mid, rank, pod)
+    local sk = skey(mid, rank, pod)
     for _, ek in ipairs(keys8(ARGV[i + 2])) do
-      local rk = st_get(s, ek)
+      local rk = redis.call('HGET', sk, ek)
       if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hits[#hits + 1] = 1 else hits[#hits + 1] = 0 end
     end
     i = i + 3
@@ -606,11 +608,11 @@ while i <= #ARGV do
   elseif op == 'Q' then
     local g, bitv = ARGV[i + 1], tonumber(ARGV[i + 2])
     local main = gmain(mid, rank, pod, g)
-    local s = sid(mid, rank, pod)
+    local sk = skey(mid, rank, pod)
     for _, ek in ipairs(keys8(ARGV[i + 3])) do
       local hit
       if main then
-        local rk = st_get(s, ek)
+        local rk = redis.call('HGET', sk, ek)
         hit = rk and drop_copy(pod, rank, ek, rk, bitv, compat)
       else
         hit = gdrop(mid, rank, g, pod, ek, bitv, compat)
@@ -638,7 +640,7 @@ for i = 7, #ARGV do
   local ek = ARGV[i]
   local hit = 0
   if mid ~= '' then
-    local rk = st_get(sid(mid, rank, pod), ek)
+    local rk = redis.call('HGET', skey(mid, rank, pod), ek)
     if rk and drop_copy(pod, rank, ek, rk, bitv, compat) then hit = 1 end
   end
   out[#out + 1] = hit

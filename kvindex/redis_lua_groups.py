@@ -13,7 +13,7 @@ from __future__ import annotations
 
 __all__ = ["GROUP_HELPERS", "GROUP_SCRIPTS"]
 
-# Needs bkey, parse_entry, next_tick and resolve of the common helpers.
+# Needs bkey, skey, parse_entry, next_tick and resolve of the common helpers.
 GROUP_HELPERS = r"""
 local GL = P .. 'gl'
 local GH = P .. 'gh'

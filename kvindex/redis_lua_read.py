@@ -222,7 +222,7 @@ if compat then
     for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
       local c = string.find(s, ':', 1, true)
       local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
-      if (mid == '' or smid == mid) and st_get(sid(smid, srank, pod), ek) then return ek end
+      if (mid == '' or smid == mid) and redis.call('HEXISTS', skey(smid, srank, pod), ek) == 1 then return ek end
     end
   end
   return false
@@ -245,9 +245,7 @@ for _, s in ipairs(redis.call('SMEMBERS', pskey(pod))) do
   local c = string.find(s, ':', 1, true)
   local smid, srank = string.sub(s, 1, c - 1), string.sub(s, c + 1)
   if rank == '' or srank == rank then
-    local all = st_all(sid(smid, srank, pod), false)
-    for j = 2, #all, 2 do
-      local rk = all[j]
+    for _, rk in ipairs(redis.call('HVALS', skey(smid, srank, pod))) do
       if not seen[rk] then seen[rk] = true; out[#out + 1] = rk end
     end
   end
