@@ -73,6 +73,9 @@ local function keys8(s)
   return t
 end
 
+-- n (0 <= n < 2**24) as three bytes: a bucket's name (formatting a number costs ten times more)
+local function id3(n) return string.char(math.floor(n / 65536), math.floor(n / 256) % 256, n % 256) end
+
 -- "mask:mid:<ek>" of a level-1 rank entry (ek last) -> mask, ek, mid
 local function parse_entry(v)
   local a = string.find(v, ':', 1, true)
@@ -153,7 +156,7 @@ local function ec_add(mid, d)
   if c + d <= 0 then redis.call('ZREM', L2ORDER, mid) end
 end
 
--- The LRU: request keys in lru_buckets() small sorted sets 'l:<n>' by last use (kept as listpacks:
+-- The LRU: request keys in lru_buckets() small sorted sets 'l:<n>' (n in three bytes) by last use (kept as listpacks:
 -- about 20 B per key where one big sorted set costs 110), n from the key's last three bytes. LTOP
 -- holds every bucket with a lower bound of its oldest tick (0 at first; ticks only grow), so the
 -- oldest key overall is the oldest of the bucket whose bound is exact and lowest. The bucket count
@@ -175,7 +178,7 @@ local function lru_buckets(cap)
       local b = 0
       while b < nbuckets do
         local args = {}
-        for q = b, math.min(nbuckets, b + 1000) - 1 do args[#args + 1] = 0; args[#args + 1] = q end
+        for q = b, math.min(nbuckets, b + 1000) - 1 do args[#args + 1] = 0; args[#args + 1] = id3(q) end
         redis.call('ZADD', LTOP, unpack(args))
         b = b + 1000
       end
@@ -183,11 +186,12 @@ local function lru_buckets(cap)
   end
   return nbuckets
 end
+local ID0 = id3(0)
 local function lru_bucket(rk)
-  if nbuckets <= 1 then return '0' end
+  if nbuckets <= 1 then return ID0 end
   local a, b, c = string.byte(rk, -3, -1)
-  if c == nil then return '0' end  -- not a key ('' where a parent is none)
-  return tostring((a * 65536 + b * 256 + c) % nbuckets)
+  if c == nil then return ID0 end  -- not a key ('' where a parent is none)
+  return id3((a * 65536 + b * 256 + c) % nbuckets)
 end
 local function lkey(b) return P .. 'l:' .. b end
 -- level 2 of model mid, in as many buckets as the LRU: the one holding engine key ek
@@ -383,12 +387,10 @@ local function link(pod, rank, mid, ek, rk, compat, old)
     ps_add(pod, mid .. ':' .. rank)
     if not compat then
       local e = ekey(mid, ek)
-      local v = redis.call('HGET', e, ek)
-      if not v then
-        redis.call('HSET', e, ek, rk .. ':1')
+      if redis.call('HSETNX', e, ek, rk .. ':1') == 1 then
         ec_add(mid, 1)
       else
-        redis.call('HSET', e, ek, rk .. ':' .. (l2_count(v) + 1))
+        redis.call('HSET', e, ek, rk .. ':' .. (l2_count(redis.call('HGET', e, ek)) + 1))
       end
     end
   end
