@@ -378,12 +378,12 @@ end
 
 local confirmed = 0
 local stored = 0
--- map ek -> rk for the stream (and level 2), ``old`` being the stream's current rk of ek;
--- count the store; confirm a speculative entry
-local function link(pod, rank, mid, ek, rk, compat, old)
+-- map ek -> rk for the stream (and level 2), ``old`` being the stream's current rk of ek (placed: the
+-- stream's table has the new entry already); count the store; confirm a speculative entry
+local function link(pod, rank, mid, ek, rk, compat, old, placed)
   if old ~= rk then
     if not old then dent = dent + 1 end
-    redis.call('HSET', skey(mid, rank, pod), ek, rk)
+    if not placed then redis.call('HSET', skey(mid, rank, pod), ek, rk) end
     ps_add(pod, mid .. ':' .. rank)
     if not compat then
       local e = ekey(mid, ek)
@@ -407,7 +407,9 @@ end
 -- record that (pod, rank, mid) holds rk as ek in tier bitv
 local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   local sk = skey(mid, rank, pod)
-  local old = redis.call('HGET', sk, ek)
+  -- a new engine key of the stream is placed at once (one call); a known one's request key is read
+  local old, placed = nil, redis.call('HSETNX', sk, ek, rk) == 1
+  if not placed then old = redis.call('HGET', sk, ek) end
   if old and old ~= rk then
     drop_copy(pod, rank, ek, old, -1, compat)
     old = redis.call('HGET', sk, ek)
@@ -420,7 +422,7 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   if fresh then
     redis.call('HSET', bk, rf, entry(bitv, ek, mid), 'p:' .. pod, bitv)
     pk_add(pod, 1)
-    link(pod, rank, mid, ek, rk, compat, old)
+    link(pod, rank, mid, ek, rk, compat, old, placed)
     return
   end
   local pf = 'p:' .. pod
@@ -442,7 +444,7 @@ local function put(pod, rank, mid, ek, rk, bitv, cap, compat)
   -- the rank's entry and the pod's mask (OR over its ranks) in one write
   redis.call('HSET', bk, rf, e, pf, bit.bor(tonumber(got[2] or '0'), bitv))
   if not got[2] then pk_add(pod, 1) end
-  link(pod, rank, mid, ek, rk, compat, old)
+  link(pod, rank, mid, ek, rk, compat, old, placed)
 end
 
 local function resolve(pod, rank, mid, ek)
