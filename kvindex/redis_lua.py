@@ -241,6 +241,7 @@ end
 -- take the least recently used request key out of the LRU (nil when it is empty)
 local function lru_pop()
   if lru_count() <= 0 then return nil end
+  local empty = 0
   while true do
     local top = redis.call('ZRANGE', LTOP, 0, 0, 'WITHSCORES')
     local b, bound = top[1], tonumber(top[2])
@@ -248,6 +249,8 @@ local function lru_pop()
     if #oldest == 0 then
       -- keys that join this bucket later get later ticks
       redis.call('ZADD', LTOP, next_tick(), b)
+      empty = empty + 1
+      if empty > nbuckets then return nil end  -- every bucket is empty (the count was off)
     elseif tonumber(oldest[2]) > bound then
       redis.call('ZADD', LTOP, oldest[2], b)
     else
