@@ -187,7 +187,9 @@ local function lru_buckets(cap)
   return nbuckets
 end
 local ID0 = id3(0)
+-- the bucket of key rk (the count read first if this script has not yet)
 local function lru_bucket(rk)
+  if nbuckets == nil then lru_buckets(nil) end
   if nbuckets <= 1 then return ID0 end
   local a, b, c = string.byte(rk, -3, -1)
   if c == nil then return ID0 end  -- not a key ('' where a parent is none)
@@ -226,7 +228,7 @@ end
 
 -- drop rk from the LRU (its block hash is gone)
 local function lru_rem(rk)
-  if lru_buckets(nil) > 0 and redis.call('ZREM', lkey(lru_bucket(rk)), rk) == 1 then dkeys = dkeys - 1 end
+  if redis.call('ZREM', lkey(lru_bucket(rk)), rk) == 1 then dkeys = dkeys - 1 end
 end
 
 -- rk used now: a new key joins the LRU (true); a known one is refreshed (false)
@@ -279,7 +281,7 @@ local function ps_rem(pod, s)
 end
 
 local function unref(ek, mid, compat)
-  if compat or lru_buckets(nil) == 0 then return end
+  if compat then return end
   local e = ekey(mid, ek)
   local v = redis.call('HGET', e, ek)
   if not v then return end
@@ -453,7 +455,6 @@ end
 local function resolve(pod, rank, mid, ek)
   local rk = redis.call('HGET', skey(mid, rank, pod), ek)
   if rk then return rk end
-  if lru_buckets(nil) == 0 then return nil end
   local v = redis.call('HGET', ekey(mid, ek), ek)
   if not v then return nil end
   return l2_rk(v)

@@ -229,7 +229,6 @@ if compat then
 end
 local mids
 if mid == '' then mids = redis.call('ZRANGE', L2ORDER, 0, -1) else mids = {mid} end
-if lru_buckets(nil) == 0 then return false end
 for _, m in ipairs(mids) do
   local v = redis.call('HGET', ekey(m, ek), ek)
   if v then return l2_rk(v) end
